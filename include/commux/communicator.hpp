@@ -1,0 +1,151 @@
+// commux/communicator.hpp -- torch-free, MPI-style tagged point-to-point over UCX.
+//
+// A Communicator joins `size` processes (found through a Store) with one UCX worker per process
+// and one endpoint per peer. isend/irecv are non-blocking and return a Request:
+//   * a receive matches exactly on (sender, tag); kAnySource matches any sender and Request::source()
+//     reports the real one;
+//   * messages on the same (sender, tag) match in posting order; different tags may be posted in
+//     any order on either side;
+//   * a list of buffers is one logical operation (one Request);
+//   * zero-byte messages are fine; a message longer than the posted buffers fails the receive with
+//     Errc::kTruncated naming peer, tag and both sizes.
+// Operations progress in the background (see docs/progress.md): a rendezvous completes while the
+// caller computes, and a blocked wait() sleeps instead of spinning.
+//
+// Ownership: the caller owns every buffer and must keep it alive and untouched until the Request
+// completes (or is cancelled and has completed). The Communicator owns all in-flight UCX requests;
+// dropping a Request does not cancel or free anything. All methods are thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commux/error.hpp"
+#include "commux/store.hpp"
+#include "commux/tag.hpp"
+
+namespace commux {
+
+inline constexpr int kAnySource = -1;
+
+enum class MemoryType : std::uint8_t { kHost, kCuda, kCudaManaged, kRocm, kZe, kUnknown };
+const char* memory_type_name(MemoryType m) noexcept;
+
+struct Buffer {
+  void* data = nullptr;
+  std::size_t size = 0;
+  MemoryType mem = MemoryType::kHost;
+};
+
+struct Options {
+  // Deadline of wait() without an explicit timeout, and of the bootstrap's store lookups.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // A waiter busy-polls the worker this long before it goes to sleep (latency vs. CPU).
+  std::chrono::microseconds spin{std::chrono::microseconds(100)};
+  // Upper bound on the destructor / shutdown(): endpoint flushes that take longer are forced.
+  std::chrono::milliseconds shutdown_timeout{std::chrono::milliseconds(3000)};
+  // How multi-buffer messages travel; every rank must agree (a mismatch is detected and reported).
+  Packing packing = Packing::kParts;
+  // Group id carried in every tag (0 .. 255).
+  int group = 0;
+  // Keys in the store are "<store_prefix>/...".
+  std::string store_prefix = "commux";
+
+  // Defaults overridden by the environment: COMMUX_COALESCE=1 (packing = kIov),
+  // COMMUX_SPIN_US, COMMUX_TIMEOUT_MS, COMMUX_SHUTDOWN_TIMEOUT_MS.
+  static Options from_env();
+};
+
+namespace detail {
+struct Op;
+class Engine;
+}  // namespace detail
+
+class Request {
+ public:
+  Request() = default;
+  bool valid() const noexcept { return op_ != nullptr; }
+  // Non-blocking: drives progress once and reports whether the operation has finished
+  // (successfully or not). Never throws for the operation's own failure; see error().
+  bool test();
+  // Blocks until done or until the Communicator's default timeout. Throws the operation's
+  // commux::Error, or Errc::kTimeout naming op, peer, tag and bytes.
+  void wait();
+  void wait(std::chrono::milliseconds timeout);
+  // True once finished; does not drive progress.
+  bool done() const noexcept;
+  // Sender of a completed receive (the real one for kAnySource); the peer for a send.
+  int source() const;
+  // Bytes received (receives) or sent (sends) once complete.
+  std::size_t bytes() const;
+  // The failure of a finished operation, or nullptr.
+  std::exception_ptr error() const;
+  // Asks UCX to cancel; the request then finishes with Errc::kCanceled unless it already matched.
+  void cancel();
+
+ private:
+  friend class detail::Engine;
+  friend class Communicator;
+  explicit Request(std::shared_ptr<detail::Op> op) : op_(std::move(op)) {}
+  std::shared_ptr<detail::Op> op_;
+};
+
+// Facts about the UCX in use, for diagnostics (`commux_info`, the benchmark, python -m commux.info).
+struct RuntimeInfo {
+  std::string ucx_version;                 // of the library actually loaded
+  std::vector<std::string> transports;     // transports UCX can use in this process
+  std::vector<std::string> memory_types;   // memory types the context supports
+  std::vector<std::string> applied_defaults;  // commux's UCX settings in effect ("NAME=value")
+  std::vector<std::string> user_settings;     // UCX_* variables from the environment (they win)
+  bool event_fd = false;                   // waits sleep on the worker's fd (else yielding poll)
+};
+
+class Communicator {
+ public:
+  Communicator(std::shared_ptr<Store> store, int rank, int size,
+               Options options = Options::from_env());
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const noexcept;
+  int size() const noexcept;
+  const Options& options() const noexcept;
+  const RuntimeInfo& runtime_info() const noexcept;
+
+  // User point-to-point. `tag` must be in 0 .. 2^32-1; `peer` in 0 .. size-1 (kAnySource allowed
+  // for receives).
+  Request isend(const std::vector<Buffer>& buffers, int peer, std::int64_t tag);
+  Request irecv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag);
+  Request isend(Buffer buffer, int peer, std::int64_t tag) {
+    return isend(std::vector<Buffer>{buffer}, peer, tag);
+  }
+  Request irecv(Buffer buffer, int peer, std::int64_t tag) {
+    return irecv(std::vector<Buffer>{buffer}, peer, tag);
+  }
+  // Blocking forms. send() asks UCX for fast local completion (eager up to UCX's
+  // RNDV_SEND_NBR_THRESH), which is what a caller that waits at once wants.
+  void send(const std::vector<Buffer>& buffers, int peer, std::int64_t tag);
+  // Returns the completed request, so source() and bytes() can be read.
+  Request recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag);
+
+  // Internal traffic (collectives): same matching rules, tag kind kInternal.
+  Request post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                    std::uint32_t tag, bool fast_completion = false);
+  Request post_recv(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                    std::uint32_t tag);
+
+  // Cancels what is still posted, flushes and closes endpoints; bounded by
+  // options().shutdown_timeout. Called by the destructor; safe to call twice.
+  void shutdown();
+
+ private:
+  std::shared_ptr<detail::Engine> engine_;
+};
+
+}  // namespace commux

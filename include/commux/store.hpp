@@ -1,0 +1,45 @@
+// commux/store.hpp -- the key-value store ranks use to find each other (bootstrap).
+//
+// Ranks publish their UCX worker address under a key and read their peers'. Any store with
+// set / get-with-deadline works: FileStore (a directory every rank can see) ships here for
+// torch-free programs and tests; the torch backend adapts c10d::Store to this interface.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace commux {
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  // Publishes `value` under `key`; readers see either nothing or the whole value.
+  virtual void set(const std::string& key, const std::vector<std::uint8_t>& value) = 0;
+  // Returns the value of `key`, waiting for it to appear for at most `timeout`.
+  // Throws commux::Error(kTimeout) naming the key when it does not appear in time.
+  virtual std::vector<std::uint8_t> get(const std::string& key,
+                                        std::chrono::milliseconds timeout) = 0;
+  // True when `key` exists now (never waits).
+  virtual bool check(const std::string& key) = 0;
+};
+
+// A store kept in a directory: one file per key, written to a temporary name and renamed, so a
+// reader never sees half a value. Works across processes and across network namespaces on one
+// host, or on a shared file system. get() polls with a backoff capped at 20 ms.
+class FileStore final : public Store {
+ public:
+  // Creates `dir` (and its parents) if missing.
+  explicit FileStore(std::string dir);
+  void set(const std::string& key, const std::vector<std::uint8_t>& value) override;
+  std::vector<std::uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override;
+  bool check(const std::string& key) override;
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string path_of(const std::string& key) const;
+  std::string dir_;
+};
+
+}  // namespace commux

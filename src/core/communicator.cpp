@@ -1,0 +1,157 @@
+#include "commux/communicator.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "engine.hpp"
+
+namespace commux {
+
+namespace {
+
+long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || x < 0) {
+    throw Error(Errc::kInvalidArgument, std::string("commux init: ") + name + "='" + v +
+                                            "' is not a non-negative integer");
+  }
+  return x;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0 && std::strcmp(v, "false") != 0 &&
+         std::strcmp(v, "off") != 0;
+}
+
+}  // namespace
+
+const char* memory_type_name(MemoryType m) noexcept {
+  switch (m) {
+    case MemoryType::kHost: return "host";
+    case MemoryType::kCuda: return "cuda";
+    case MemoryType::kCudaManaged: return "cuda-managed";
+    case MemoryType::kRocm: return "rocm";
+    case MemoryType::kZe: return "ze";
+    case MemoryType::kUnknown: return "unknown";
+  }
+  return "unknown";
+}
+
+Options Options::from_env() {
+  Options o;
+  if (env_flag("COMMUX_COALESCE")) o.packing = Packing::kIov;
+  o.spin = std::chrono::microseconds(env_long("COMMUX_SPIN_US", o.spin.count()));
+  o.timeout = std::chrono::milliseconds(env_long("COMMUX_TIMEOUT_MS", o.timeout.count()));
+  o.shutdown_timeout = std::chrono::milliseconds(
+      env_long("COMMUX_SHUTDOWN_TIMEOUT_MS", o.shutdown_timeout.count()));
+  return o;
+}
+
+// --- Request ---------------------------------------------------------------------------------
+
+namespace {
+void require(const std::shared_ptr<detail::Op>& op) {
+  if (!op) throw Error(Errc::kInvalidArgument, "commux request: empty Request");
+}
+}  // namespace
+
+bool Request::test() {
+  require(op_);
+  return op_->engine->test(*op_);
+}
+
+void Request::wait() {
+  require(op_);
+  wait(op_->engine->options().timeout);
+}
+
+void Request::wait(std::chrono::milliseconds timeout) {
+  require(op_);
+  op_->engine->wait(*op_, timeout);
+  if (op_->error) std::rethrow_exception(op_->error);
+}
+
+bool Request::done() const noexcept { return op_ && op_->done.load(); }
+
+int Request::source() const {
+  require(op_);
+  return op_->done.load() ? op_->source : op_->peer;
+}
+
+std::size_t Request::bytes() const {
+  require(op_);
+  return op_->done.load() ? op_->bytes : 0;
+}
+
+std::exception_ptr Request::error() const {
+  require(op_);
+  return op_->done.load() ? op_->error : nullptr;
+}
+
+void Request::cancel() {
+  require(op_);
+  op_->engine->cancel(*op_);
+}
+
+// --- Communicator ----------------------------------------------------------------------------
+
+Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size, Options options)
+    : engine_(std::make_shared<detail::Engine>(std::move(store), rank, size, std::move(options))) {
+  engine_->start();
+}
+
+Communicator::~Communicator() { shutdown(); }
+
+void Communicator::shutdown() {
+  if (engine_) engine_->shutdown();
+}
+
+int Communicator::rank() const noexcept { return engine_->rank(); }
+int Communicator::size() const noexcept { return engine_->size(); }
+const Options& Communicator::options() const noexcept { return engine_->options(); }
+const RuntimeInfo& Communicator::runtime_info() const noexcept { return engine_->info(); }
+
+Request Communicator::isend(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
+  const std::uint32_t t = check_user_tag(tag, "isend");
+  return Request(engine_->post(detail::Op::Kind::kSend, "isend", buffers.data(), buffers.size(),
+                               peer, TagKind::kUser, t, false));
+}
+
+Request Communicator::irecv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
+  const std::uint32_t t = check_user_tag(tag, "irecv");
+  return Request(engine_->post(detail::Op::Kind::kRecv, "irecv", buffers.data(), buffers.size(),
+                               peer, TagKind::kUser, t, false));
+}
+
+void Communicator::send(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
+  const std::uint32_t t = check_user_tag(tag, "send");
+  Request r(engine_->post(detail::Op::Kind::kSend, "send", buffers.data(), buffers.size(), peer,
+                          TagKind::kUser, t, true));
+  r.wait();
+}
+
+Request Communicator::recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
+  const std::uint32_t t = check_user_tag(tag, "recv");
+  Request r(engine_->post(detail::Op::Kind::kRecv, "recv", buffers.data(), buffers.size(), peer,
+                          TagKind::kUser, t, false));
+  r.wait();
+  return r;
+}
+
+Request Communicator::post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                                std::uint32_t tag, bool fast_completion) {
+  return Request(engine_->post(detail::Op::Kind::kSend, "send", buffers, count, peer, kind, tag,
+                               fast_completion));
+}
+
+Request Communicator::post_recv(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                                std::uint32_t tag) {
+  return Request(engine_->post(detail::Op::Kind::kRecv, "recv", buffers, count, peer, kind, tag,
+                               false));
+}
+
+}  // namespace commux

@@ -1,0 +1,631 @@
+// The UCX engine: context, worker, endpoints, requests, progress. The threading contract is in
+// docs/progress.md; the tag layout in include/commux/tag.hpp.
+#include "engine.hpp"
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <sstream>
+
+#include "status.hpp"
+#include "ucx_config.hpp"
+
+namespace commux::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ucs_memory_type_t to_ucs(MemoryType m) {
+  switch (m) {
+    case MemoryType::kHost: return UCS_MEMORY_TYPE_HOST;
+    case MemoryType::kCuda: return UCS_MEMORY_TYPE_CUDA;
+    case MemoryType::kCudaManaged: return UCS_MEMORY_TYPE_CUDA_MANAGED;
+    case MemoryType::kRocm: return UCS_MEMORY_TYPE_ROCM;
+    case MemoryType::kZe: return UCS_MEMORY_TYPE_ZE_DEVICE;
+    case MemoryType::kUnknown: return UCS_MEMORY_TYPE_UNKNOWN;
+  }
+  return UCS_MEMORY_TYPE_UNKNOWN;
+}
+
+std::string addr_key(const Options& o, int rank) {
+  return o.store_prefix + "/g" + std::to_string(o.group) + "/addr/" + std::to_string(rank);
+}
+
+// The transports UCX would use, read from ucp_context_print_info ("... flags -- tl/dev" lines).
+std::vector<std::string> query_transports(ucp_context_h context) {
+  std::vector<std::string> out;
+  char* buf = nullptr;
+  std::size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (f == nullptr) return out;
+  ucp_context_print_info(context, f);
+  std::fclose(f);
+  std::istringstream in(std::string(buf, len));
+  std::free(buf);
+  std::set<std::string> seen;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find("resource") == std::string::npos) continue;
+    const auto slash = line.rfind('/');
+    const auto space = line.rfind(' ', slash);
+    if (slash == std::string::npos || space == std::string::npos) continue;
+    std::string tl = line.substr(space + 1, slash - space - 1);
+    if (!tl.empty() && seen.insert(tl).second) out.push_back(tl);
+  }
+  return out;
+}
+
+}  // namespace
+
+Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options)
+    : store_(std::move(store)), rank_(rank), size_(size), options_(std::move(options)) {
+  if (!store_) throw Error(Errc::kInvalidArgument, "commux init: no store given");
+  if (size_ < 1 || size_ > tag_layout::kMaxRanks) {
+    throw Error(Errc::kInvalidArgument, "commux init: world size " + std::to_string(size_) +
+                                            " is outside 1.." +
+                                            std::to_string(tag_layout::kMaxRanks));
+  }
+  if (rank_ < 0 || rank_ >= size_) {
+    throw Error(Errc::kInvalidArgument, "commux init: rank " + std::to_string(rank_) +
+                                            " is outside 0.." + std::to_string(size_ - 1));
+  }
+  if (options_.group < 0 || options_.group >= tag_layout::kMaxGroups) {
+    throw Error(Errc::kInvalidArgument,
+                "commux init: group id " + std::to_string(options_.group) + " is outside 0.." +
+                    std::to_string(tag_layout::kMaxGroups - 1));
+  }
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::start() {
+  ucp_config_t* config = nullptr;
+  check_status(ucp_config_read(nullptr, nullptr, &config), "init: reading the UCX configuration");
+  info_.applied_defaults = apply_ucx_defaults(config, &info_.user_settings);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                      UCP_PARAM_FIELD_ESTIMATED_NUM_EPS;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;
+  params.estimated_num_eps = static_cast<std::size_t>(size_);
+  const ucs_status_t st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  check_status(st, "init: ucp_init");
+
+  info_.ucx_version = ucp_get_version_string();
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  check_status(ucp_context_query(context_, &attr), "init: ucp_context_query");
+  for (int m = 0; m < UCS_MEMORY_TYPE_LAST; ++m) {
+    if (attr.memory_types & (std::uint64_t{1} << m)) {
+      info_.memory_types.emplace_back(ucs_memory_type_names[m]);
+    }
+  }
+  info_.transports = query_transports(context_);
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialised by worker_mu_
+  check_status(ucp_worker_create(context_, &wp, &worker_), "init: ucp_worker_create");
+  if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
+  info_.event_fd = efd_ >= 0;
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) throw Error(Errc::kTransport, "commux init: eventfd failed");
+
+  ucp_address_t* address = nullptr;
+  std::size_t address_len = 0;
+  check_status(ucp_worker_get_address(worker_, &address, &address_len),
+               "init: ucp_worker_get_address");
+  const auto* a = reinterpret_cast<const std::uint8_t*>(address);
+  store_->set(addr_key(options_, rank_), std::vector<std::uint8_t>(a, a + address_len));
+  ucp_worker_release_address(worker_, address);
+
+  peer_status_.assign(static_cast<std::size_t>(size_), UCS_OK);
+  ep_args_.resize(static_cast<std::size_t>(size_));
+  eps_.assign(static_cast<std::size_t>(size_), nullptr);
+  for (int p = 0; p < size_; ++p) {
+    // Start with the right-hand neighbour so ranks do not all wait on rank 0's key first.
+    const int peer = (rank_ + p) % size_;
+    const std::vector<std::uint8_t> remote = store_->get(addr_key(options_, peer), options_.timeout);
+    ep_args_[static_cast<std::size_t>(peer)] = {this, peer};
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &Engine::ep_error_cb;
+    ep.err_handler.arg = &ep_args_[static_cast<std::size_t>(peer)];
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    check_status(ucp_ep_create(worker_, &ep, &eps_[static_cast<std::size_t>(peer)]),
+                 "init: connecting to peer " + std::to_string(peer));
+  }
+  progress_thread_ = std::thread([this] { progress_thread_main(); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Posting
+
+void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, std::size_t count,
+                      int peer) const {
+  const bool any_ok = kind == Op::Kind::kRecv;
+  if (peer >= size_ || peer < 0) {
+    if (!(any_ok && peer == kAnySource)) {
+      throw Error(Errc::kInvalidArgument,
+                  std::string("commux ") + name + ": peer " + std::to_string(peer) +
+                      " is outside 0.." + std::to_string(size_ - 1) +
+                      (any_ok ? " (or kAnySource)" : "") + " (world size " +
+                      std::to_string(size_) + ")");
+    }
+  }
+  if (count > 0 && buffers == nullptr) {
+    throw Error(Errc::kInvalidArgument,
+                std::string("commux ") + name + ": null buffer list with count " +
+                    std::to_string(count));
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    if (buffers[i].data == nullptr && buffers[i].size > 0) {
+      throw Error(Errc::kInvalidArgument, std::string("commux ") + name + ": buffer " +
+                                              std::to_string(i) + " is null but has " +
+                                              std::to_string(buffers[i].size) + " bytes");
+    }
+    const MemoryType m = buffers[i].mem;
+    if (m != MemoryType::kHost && m != MemoryType::kUnknown) {
+      const char* want = ucs_memory_type_names[to_ucs(m)];
+      if (std::find(info_.memory_types.begin(), info_.memory_types.end(), want) ==
+          info_.memory_types.end()) {
+        throw Error(Errc::kUnsupported,
+                    std::string("commux ") + name + ": buffer " + std::to_string(i) + " is " +
+                        memory_type_name(m) + " memory, but the UCX in use (" + info_.ucx_version +
+                        ") does not support it; build commux against a UCX with that transport "
+                        "(e.g. COMMUX_UCX_PROVIDER=wheel with libucx-cu13 for CUDA)");
+      }
+    }
+    if (options_.packing == Packing::kIov && count > 1 && m != buffers[0].mem) {
+      throw Error(Errc::kInvalidArgument,
+                  std::string("commux ") + name +
+                      ": COMMUX_COALESCE packs the buffers into one UCX message, so they must "
+                      "share one memory type (buffer 0 is " + memory_type_name(buffers[0].mem) +
+                      ", buffer " + std::to_string(i) + " is " + memory_type_name(m) + ")");
+    }
+  }
+}
+
+std::shared_ptr<Op> Engine::post(Op::Kind kind, const char* name, const Buffer* buffers,
+                                 std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
+                                 bool fast_completion) {
+  validate(kind, name, buffers, count, peer);
+  auto op = std::make_shared<Op>();
+  op->kind = kind;
+  op->name = name;
+  op->peer = peer;
+  op->tag_kind = tag_kind;
+  op->tag = tag;
+  op->buffers.assign(buffers, buffers + count);
+  for (const Buffer& b : op->buffers) op->capacity += b.size;
+  op->packing = (count > 1 && options_.packing == Packing::kIov) ? Packing::kIov : Packing::kParts;
+  if (op->packing == Packing::kIov) {
+    op->iov.reserve(count);
+    for (const Buffer& b : op->buffers) op->iov.push_back(ucp_dt_iov_t{b.data, b.size});
+  }
+  const std::size_t nparts = op->packing == Packing::kIov ? 1 : std::max<std::size_t>(count, 1);
+  op->parts.resize(nparts);
+  for (std::size_t i = 0; i < nparts; ++i) {
+    op->parts[i].op = op.get();
+    op->parts[i].index = static_cast<std::uint32_t>(i);
+  }
+  op->engine = shared_from_this();
+  op->source = peer;
+
+  std::lock_guard<std::mutex> lock(worker_mu_);
+  if (shut_down_) {
+    throw Error(Errc::kCanceled, std::string("commux ") + name + ": the communicator is shut down");
+  }
+  if (peer >= 0 && peer_status_[static_cast<std::size_t>(peer)] != UCS_OK) {
+    throw Error(Errc::kPeerFailed,
+                std::string("commux ") + name + ": peer " + std::to_string(peer) +
+                    " has failed earlier (" +
+                    ucs_status_string(peer_status_[static_cast<std::size_t>(peer)]) + "); " +
+                    describe(*op));
+  }
+  inflight_.emplace(op.get(), op);
+  inflight_count_.fetch_add(1);
+  // An any-source receive in parts learns its sender from part 0, then posts the rest.
+  const bool later_rest = kind == Op::Kind::kRecv && peer == kAnySource && nparts > 1;
+  op->remaining = later_rest ? 1 : static_cast<int>(nparts);
+  post_locked(op, 0, fast_completion);
+  return op;
+}
+
+void Engine::post_locked(const std::shared_ptr<Op>& op, std::size_t first_part,
+                         bool fast_completion) {
+  const bool later_rest = op->kind == Op::Kind::kRecv && op->peer == kAnySource && first_part == 0 &&
+                          op->parts.size() > 1;
+  const std::size_t end = later_rest ? 1 : op->parts.size();
+  for (std::size_t i = first_part; i < end; ++i) post_part_locked(*op, i, fast_completion);
+  while (!deferred_.empty()) {
+    auto ready = std::move(deferred_);
+    deferred_.clear();
+    for (auto& d : ready) post_locked(d, 1, false);
+  }
+}
+
+void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
+  Part& part = op.parts[index];
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  prm.user_data = &part;
+  void* buf = nullptr;
+  std::size_t cnt = 0;
+  MemoryType mem = MemoryType::kHost;
+  if (op.packing == Packing::kIov) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    prm.datatype = ucp_dt_make_iov();
+    buf = op.iov.data();
+    cnt = op.iov.size();
+    mem = op.buffers[0].mem;
+  } else if (!op.buffers.empty()) {
+    buf = op.buffers[index].data;
+    cnt = op.buffers[index].size;
+    mem = op.buffers[index].mem;
+  }
+  if (mem != MemoryType::kUnknown) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    prm.memory_type = to_ucs(mem);
+  }
+  const bool continuation = index > 0;
+  ucs_status_ptr_t r;
+  if (op.kind == Op::Kind::kSend) {
+    prm.cb.send = &Engine::send_cb;
+    if (fast_completion) prm.op_attr_mask |= UCP_OP_ATTR_FLAG_FAST_CMPL;
+    TagFields f;
+    f.sender = rank_;
+    f.group = options_.group;
+    f.kind = op.tag_kind;
+    f.continuation = continuation;
+    f.packing = op.packing;
+    f.user = op.tag;
+    r = ucp_tag_send_nbx(eps_[static_cast<std::size_t>(op.peer)], buf, cnt, make_tag(f).bits, &prm);
+  } else {
+    prm.cb.recv = &Engine::recv_cb;
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    prm.recv_info.tag_info = &part.info;
+    const int sender = continuation ? op.source : op.peer;
+    const RecvMatch m = recv_match(sender, options_.group, op.tag_kind, continuation, op.tag);
+    r = ucp_tag_recv_nbx(worker_, buf, cnt, m.tag.bits, m.mask.bits, &prm);
+  }
+  if (UCS_PTR_IS_ERR(r)) {
+    part_done_locked(op, part.index, UCS_PTR_STATUS(r), nullptr);
+  } else if (r == nullptr) {
+    part_done_locked(op, part.index, UCS_OK, op.kind == Op::Kind::kRecv ? &part.info : nullptr);
+  } else {
+    part.ucx_req = r;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Completion (runs inside ucp_worker_progress or inline after posting; worker_mu_ held)
+
+void Engine::send_cb(void* request, ucs_status_t status, void* user_data) {
+  auto* part = static_cast<Part*>(user_data);
+  Op* op = part->op;
+  part->ucx_req = nullptr;
+  ucp_request_free(request);
+  op->engine->part_done_locked(*op, part->index, status, nullptr);
+}
+
+void Engine::recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                     void* user_data) {
+  auto* part = static_cast<Part*>(user_data);
+  Op* op = part->op;
+  part->ucx_req = nullptr;
+  const ucp_tag_recv_info_t copy = info != nullptr ? *info : ucp_tag_recv_info_t{};
+  ucp_request_free(request);
+  op->engine->part_done_locked(*op, part->index, status, info != nullptr ? &copy : nullptr);
+}
+
+void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
+                              const ucp_tag_recv_info_t* info) {
+  if (op.kind == Op::Kind::kRecv) {
+    if (info != nullptr && (status == UCS_OK || status == UCS_ERR_MESSAGE_TRUNCATED)) {
+      const TagFields f = parse_tag(TagValue{info->sender_tag});
+      if (index == 0) op.source = f.sender;
+      const std::size_t posted =
+          op.packing == Packing::kIov ? op.capacity
+                                      : (op.buffers.empty() ? 0 : op.buffers[index].size);
+      if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+        op.detail = "the message is " + std::to_string(info->length) +
+                    " bytes but the posted buffer" +
+                    (op.parts.size() > 1 ? " " + std::to_string(index) : std::string()) +
+                    " holds " + std::to_string(posted) + " bytes";
+      } else {
+        op.bytes += info->length;
+      }
+      if (f.packing != op.packing && !op.has_override) {
+        op.has_override = true;
+        op.override_code = Errc::kWireMismatch;
+        op.override_reason =
+            "peer " + std::to_string(f.sender) + " sent " +
+            (f.packing == Packing::kIov ? "a packed (IOV) multi-buffer message"
+                                        : "a message in separate parts") +
+            " but this receive expects " +
+            (op.packing == Packing::kIov ? "a packed one" : "separate parts") +
+            ": COMMUX_COALESCE must have the same value on every rank and the buffer counts must "
+            "match";
+      }
+    }
+  } else if (status == UCS_OK) {
+    op.bytes += op.packing == Packing::kIov ? op.capacity
+                                            : (op.buffers.empty() ? 0 : op.buffers[index].size);
+  }
+  if (status != UCS_OK && op.status == UCS_OK) op.status = status;
+  if (op.kind == Op::Kind::kRecv && op.peer == kAnySource && index == 0 && op.parts.size() > 1 &&
+      status == UCS_OK && !op.has_override) {
+    op.remaining += static_cast<int>(op.parts.size()) - 1;
+    deferred_.push_back(inflight_.at(&op));
+  }
+  if (--op.remaining == 0) finish_locked(op);
+}
+
+void Engine::finish_locked(Op& op) {
+  if (op.has_override) {
+    op.error = std::make_exception_ptr(Error(
+        op.override_code, std::string("commux ") + op.name + ": " + op.override_reason + " (" +
+                              describe(op) + ")"));
+  } else if (op.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    op.error = std::make_exception_ptr(
+        Error(Errc::kTruncated, std::string("commux ") + op.name + ": message from peer " +
+                                    std::to_string(op.source) + " with tag " +
+                                    std::to_string(op.tag) + " is too long: " + op.detail + " (" +
+                                    describe(op) + ")"));
+  } else if (op.status != UCS_OK) {
+    op.error = std::make_exception_ptr(error_from_status(op.status, std::string(op.name) + " " +
+                                                                        describe(op)));
+  }
+  auto it = inflight_.find(&op);
+  std::shared_ptr<Op> keep;
+  if (it != inflight_.end()) {
+    keep = std::move(it->second);
+    inflight_.erase(it);
+    inflight_count_.fetch_sub(1);
+  }
+  op.done.store(true);
+  if (sleepers_.load() > 0) {
+    { std::lock_guard<std::mutex> g(done_mu_); }
+    done_cv_.notify_all();
+  }
+}
+
+void Engine::ep_error_cb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* a = static_cast<std::pair<Engine*, int>*>(arg);
+  a->first->fail_peer_locked(a->second, status);
+}
+
+void Engine::fail_peer_locked(int peer, ucs_status_t status) {
+  peer_status_[static_cast<std::size_t>(peer)] = status;
+  std::vector<std::shared_ptr<Op>> victims;
+  for (auto& [ptr, op] : inflight_) {
+    const bool from_peer = op->peer == peer || (op->peer == kAnySource && op->source == peer);
+    if (from_peer) victims.push_back(op);
+  }
+  for (auto& op : victims) {
+    if (!op->has_override) {
+      op->has_override = true;
+      op->override_code = Errc::kPeerFailed;
+      op->override_reason = "peer " + std::to_string(peer) + " failed (" +
+                            ucs_status_string(status) + ")";
+    }
+    // Sends to the peer are failed by UCX itself; receives are worker-level, so cancel them.
+    if (op->kind == Op::Kind::kRecv) {
+      for (Part& p : op->parts) {
+        if (p.ucx_req != nullptr) ucp_request_cancel(worker_, p.ucx_req);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Progress and waiting
+
+unsigned Engine::progress_locked() {
+  if (worker_ == nullptr || shut_down_) return 0;
+  const unsigned n = ucp_worker_progress(worker_);
+  while (!deferred_.empty()) {
+    auto ready = std::move(deferred_);
+    deferred_.clear();
+    for (auto& d : ready) post_locked(d, 1, false);
+  }
+  return n;
+}
+
+void Engine::kick() {
+  if (wake_fd_ < 0) return;
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const ssize_t w = ::write(wake_fd_, &one, sizeof(one));
+}
+
+void Engine::progress_thread_main() {
+  std::uint64_t drain = 0;
+  while (!stop_.load()) {
+    pollfd fds[2];
+    int nfds = 0;
+    int timeout_ms = inflight_count_.load() > 0 ? 10 : 100;
+    if (spinners_.load() > 0) {
+      // A user thread is progressing: stay off the CPU until it stops (or 10 ms pass).
+      fds[nfds++] = pollfd{wake_fd_, POLLIN, 0};
+      timeout_ms = 10;
+    } else {
+      bool busy = false;
+      {
+        std::lock_guard<std::mutex> lock(worker_mu_);
+        if (shut_down_) break;
+        for (int i = 0; i < 256 && progress_locked() > 0; ++i) {
+        }
+        if (efd_ >= 0) busy = ucp_worker_arm(worker_) == UCS_ERR_BUSY;
+      }
+      if (busy) {
+        sched_yield();
+        continue;
+      }
+      fds[nfds++] = pollfd{wake_fd_, POLLIN, 0};
+      if (efd_ >= 0) {
+        fds[nfds++] = pollfd{efd_, POLLIN, 0};
+      } else {
+        // No event fd: a yielding poll (50 us, or 20 us while work is in flight).
+        const timespec ts{0, inflight_count_.load() > 0 ? 20000L : 50000L};
+        ::ppoll(fds, static_cast<nfds_t>(nfds), &ts, nullptr);
+        if (fds[0].revents & POLLIN) {
+          [[maybe_unused]] const ssize_t r = ::read(wake_fd_, &drain, sizeof(drain));
+        }
+        continue;
+      }
+    }
+    if (::poll(fds, static_cast<nfds_t>(nfds), timeout_ms) > 0 && (fds[0].revents & POLLIN)) {
+      [[maybe_unused]] const ssize_t r = ::read(wake_fd_, &drain, sizeof(drain));
+    }
+  }
+}
+
+bool Engine::test(Op& op) {
+  if (op.done.load()) return true;
+  std::unique_lock<std::mutex> lock(worker_mu_, std::try_to_lock);
+  if (lock.owns_lock()) progress_locked();
+  return op.done.load();
+}
+
+void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
+  if (op.done.load()) return;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  const auto spin_until = start + options_.spin;
+  spinners_.fetch_add(1);
+  for (unsigned iter = 1; !op.done.load(); ++iter) {
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      progress_locked();
+    }
+    if ((iter & 15) == 0 && Clock::now() >= spin_until) break;
+  }
+  const int left = spinners_.fetch_sub(1) - 1;
+  if (op.done.load()) {
+    // Hand background progress back to the progress thread if others still have work in flight.
+    if (left == 0 && inflight_count_.load() > 0) kick();
+    return;
+  }
+  sleepers_.fetch_add(1);
+  kick();
+  {
+    std::unique_lock<std::mutex> lock(done_mu_);
+    done_cv_.wait_until(lock, deadline, [&] { return op.done.load(); });
+  }
+  sleepers_.fetch_sub(1);
+  if (!op.done.load()) {
+    std::string d;
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      d = describe(op);
+    }
+    throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": timed out after " +
+                                    std::to_string(timeout.count()) + " ms (" + d +
+                                    "); the operation is still posted: wait again or cancel it");
+  }
+}
+
+void Engine::cancel(Op& op) {
+  std::lock_guard<std::mutex> lock(worker_mu_);
+  if (op.done.load() || shut_down_) return;
+  for (Part& p : op.parts) {
+    if (p.ucx_req != nullptr) ucp_request_cancel(worker_, p.ucx_req);
+  }
+}
+
+std::string Engine::describe(const Op& op) const {
+  std::string s = op.kind == Op::Kind::kSend ? "to peer " : "from ";
+  if (op.kind == Op::Kind::kRecv) {
+    s += op.peer == kAnySource ? "any source" : "peer " + std::to_string(op.peer);
+  } else {
+    s += std::to_string(op.peer);
+  }
+  s += ", tag " + std::to_string(op.tag);
+  if (op.tag_kind == TagKind::kInternal) s += " (internal)";
+  s += ", " + std::to_string(op.capacity) + " bytes";
+  if (op.buffers.size() > 1) s += " in " + std::to_string(op.buffers.size()) + " buffers";
+  s += ", group " + std::to_string(options_.group) + ", rank " + std::to_string(rank_) + " of " +
+       std::to_string(size_);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown: bounded in time whatever the peers do.
+
+void Engine::shutdown() {
+  stop_.store(true);
+  kick();
+  if (progress_thread_.joinable()) progress_thread_.join();
+  std::lock_guard<std::mutex> lock(worker_mu_);
+  if (shut_down_) return;
+  const auto deadline = Clock::now() + options_.shutdown_timeout;
+  std::vector<std::shared_ptr<Op>> pending;
+  for (auto& [ptr, op] : inflight_) pending.push_back(op);
+  for (auto& op : pending) {
+    if (!op->has_override) {
+      op->has_override = true;
+      op->override_code = Errc::kCanceled;
+      op->override_reason = "the communicator was shut down while the operation was in flight";
+    }
+    if (op->kind == Op::Kind::kRecv && worker_ != nullptr) {
+      for (Part& p : op->parts) {
+        if (p.ucx_req != nullptr) ucp_request_cancel(worker_, p.ucx_req);
+      }
+    }
+  }
+  if (worker_ != nullptr) {
+    std::vector<void*> closing;
+    for (std::size_t p = 0; p < eps_.size(); ++p) {
+      if (eps_[p] == nullptr) continue;
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      prm.flags = peer_status_.size() > p && peer_status_[p] != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      void* r = ucp_ep_close_nbx(eps_[p], &prm);
+      if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+      eps_[p] = nullptr;
+    }
+    while (!closing.empty() && Clock::now() < deadline) {
+      if (ucp_worker_progress(worker_) == 0) ::usleep(50);
+      closing.erase(std::remove_if(closing.begin(), closing.end(),
+                                   [](void* r) {
+                                     if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+                                     ucp_request_free(r);
+                                     return true;
+                                   }),
+                    closing.end());
+    }
+    for (void* r : closing) ucp_request_free(r);  // released by UCX when the worker goes
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+  }
+  if (context_ != nullptr) {
+    ucp_cleanup(context_);
+    context_ = nullptr;
+  }
+  shut_down_ = true;
+  pending.clear();
+  for (auto& [ptr, op] : inflight_) pending.push_back(op);
+  for (auto& op : pending) {
+    if (op->status == UCS_OK) op->status = UCS_ERR_CANCELED;
+    op->remaining = 0;
+    finish_locked(*op);
+  }
+  deferred_.clear();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
+}
+
+}  // namespace commux::detail

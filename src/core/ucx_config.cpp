@@ -1,0 +1,38 @@
+#include "ucx_config.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+extern char** environ;
+
+namespace commux::detail {
+
+const std::vector<UcxDefault>& ucx_defaults() {
+  static const std::vector<UcxDefault> table = {
+      {"KEEPALIVE_INTERVAL", "1s",
+       "detect a dead peer on shared memory within seconds instead of UCX's 20 s"},
+  };
+  return table;
+}
+
+std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<std::string>* user) {
+  if (user != nullptr) {
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+      if (std::strncmp(*e, "UCX_", 4) == 0) user->emplace_back(*e);
+    }
+  }
+  std::vector<std::string> applied;
+  const char* off = std::getenv("COMMUX_UCX_DEFAULTS");
+  if (off != nullptr && std::strcmp(off, "0") == 0) return applied;
+  for (const auto& d : ucx_defaults()) {
+    const std::string env = std::string("UCX_") + d.name;
+    if (std::getenv(env.c_str()) != nullptr) continue;  // the user's setting wins
+    // An older UCX may not know a name: then the default simply does not apply.
+    if (ucp_config_modify(config, d.name, d.value) == UCS_OK) {
+      applied.push_back(std::string(d.name) + "=" + d.value);
+    }
+  }
+  return applied;
+}
+
+}  // namespace commux::detail

@@ -1,0 +1,25 @@
+// Private to src/core: the UCX settings commux applies by default, and why.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <string>
+#include <vector>
+
+namespace commux::detail {
+
+struct UcxDefault {
+  const char* name;   // UCX configuration name without the UCX_ prefix
+  const char* value;
+  const char* why;
+};
+
+// The table of defaults (documented in the README).
+const std::vector<UcxDefault>& ucx_defaults();
+
+// Applies each default to `config` unless the user set UCX_<name> in the environment (the user's
+// setting always wins) or COMMUX_UCX_DEFAULTS=0. Returns "NAME=value" for each one applied and
+// fills `user` with the UCX_* variables found in the environment.
+std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<std::string>* user);
+
+}  // namespace commux::detail

@@ -1,0 +1,80 @@
+// Multi-process test harness: runs one function per rank in forked children.
+//
+// Every child has an alarm() watchdog that prints its stack (backtrace of the thread that was
+// running) and exits with kHangExit; the parent waits with its own deadline and SIGKILLs the
+// group. A failing check in a child throws; the child prints the message and exits with
+// kFailExit. Nothing here can hang a test run.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "commux/communicator.hpp"
+
+namespace commux::test {
+
+inline constexpr int kFailExit = 3;
+inline constexpr int kHangExit = 124;
+
+inline Options default_test_options() {
+  Options o;
+  o.timeout = std::chrono::seconds(30);
+  o.shutdown_timeout = std::chrono::seconds(2);
+  return o;
+}
+
+struct RunOptions {
+  int timeout_s = 60;                // per-child watchdog; the parent allows a few seconds more
+  std::set<int> expect_killed;       // ranks that kill themselves on purpose
+  Options comm = default_test_options();  // options for the Communicator each rank builds
+  std::function<Options(int rank)> comm_for_rank;  // overrides `comm` when set
+};
+
+// Runs body(comm) in `size` processes, each with a Communicator over a shared fresh FileStore.
+// Fails the current GoogleTest test (ADD_FAILURE) with each failing rank's reason.
+void run_ranks(int size, const std::function<void(Communicator&)>& body, RunOptions opts = {});
+
+// Lower level: body(rank, size, store_dir) without a Communicator.
+void run_procs(int size, const std::function<void(int, int, const std::string&)>& body,
+               RunOptions opts = {});
+
+// Checks that throw, for use inside children (GoogleTest assertions do not cross fork()).
+[[noreturn]] void check_failed(const char* file, int line, const std::string& what);
+
+#define CX_CHECK(cond)                                                          \
+  do {                                                                          \
+    if (!(cond)) ::commux::test::check_failed(__FILE__, __LINE__, "CHECK(" #cond ")"); \
+  } while (0)
+
+#define CX_CHECK_EQ(a, b)                                                              \
+  do {                                                                                 \
+    const auto& cx_a_ = (a);                                                           \
+    const auto& cx_b_ = (b);                                                           \
+    if (!(cx_a_ == cx_b_)) {                                                           \
+      std::ostringstream cx_os_;                                                       \
+      cx_os_ << "CHECK_EQ(" #a ", " #b ") with " << cx_a_ << " != " << cx_b_;          \
+      ::commux::test::check_failed(__FILE__, __LINE__, cx_os_.str());                  \
+    }                                                                                  \
+  } while (0)
+
+// Runs fn, which must throw commux::Error with `code`; returns the message.
+std::string expect_error(Errc code, const std::function<void()>& fn);
+
+// Contains-check for messages.
+#define CX_CHECK_HAS(msg, part)                                                              \
+  do {                                                                                       \
+    if (std::string(msg).find(part) == std::string::npos)                                     \
+      ::commux::test::check_failed(__FILE__, __LINE__,                                       \
+                                   std::string("message lacks '") + (part) + "': " + (msg)); \
+  } while (0)
+
+// Deterministic byte pattern for message `id`.
+inline unsigned char pattern(std::uint64_t id, std::size_t i) {
+  return static_cast<unsigned char>((id * 131u + i * 7u + (i >> 8)) & 0xff);
+}
+
+}  // namespace commux::test

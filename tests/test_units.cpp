@@ -1,0 +1,143 @@
+// Unit tests without a network: the tag layout and the file store.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <thread>
+
+#include "commux/communicator.hpp"
+
+using namespace commux;
+using namespace commux::tag_layout;
+
+TEST(Tag, FieldsRoundTrip) {
+  TagFields f;
+  f.sender = kMaxRanks - 1;
+  f.group = kMaxGroups - 1;
+  f.kind = TagKind::kInternal;
+  f.continuation = true;
+  f.packing = Packing::kIov;
+  f.user = 0xFFFFFFFFu;
+  const TagFields g = parse_tag(make_tag(f));
+  EXPECT_EQ(g.sender, f.sender);
+  EXPECT_EQ(g.group, f.group);
+  EXPECT_EQ(g.kind, f.kind);
+  EXPECT_EQ(g.continuation, f.continuation);
+  EXPECT_EQ(g.packing, f.packing);
+  EXPECT_EQ(g.user, f.user);
+  EXPECT_EQ(make_tag(f).bits & kReservedBit, 0u);
+}
+
+TEST(Tag, EachFieldHasItsOwnBits) {
+  EXPECT_EQ(make_tag(TagFields{}).bits, 0u);
+  TagFields f;
+  f.user = 0xABCD1234u;
+  EXPECT_EQ(make_tag(f).bits, 0xABCD1234u);
+  f = TagFields{};
+  f.sender = 1;
+  EXPECT_EQ(make_tag(f).bits, std::uint64_t{1} << 44);
+  f = TagFields{};
+  f.group = 1;
+  EXPECT_EQ(make_tag(f).bits, std::uint64_t{1} << 36);
+  f = TagFields{};
+  f.kind = TagKind::kInternal;
+  EXPECT_EQ(make_tag(f).bits, std::uint64_t{1} << 35);
+  f = TagFields{};
+  f.continuation = true;
+  EXPECT_EQ(make_tag(f).bits, std::uint64_t{1} << 34);
+  f = TagFields{};
+  f.packing = Packing::kIov;
+  EXPECT_EQ(make_tag(f).bits, std::uint64_t{1} << 33);
+  // The masks tile the 64 bits with the reserved bit.
+  EXPECT_EQ(kUserMask | kReservedBit | kIovBit | kContinuationBit | kInternalBit | kGroupMask | kRankMask,
+            ~std::uint64_t{0});
+}
+
+TEST(Tag, OutOfRangeFieldsAreRejected) {
+  TagFields f;
+  f.sender = kMaxRanks;
+  EXPECT_THROW(make_tag(f), Error);
+  f.sender = -1;
+  EXPECT_THROW(make_tag(f), Error);
+  f = TagFields{};
+  f.group = kMaxGroups;
+  EXPECT_THROW(make_tag(f), Error);
+}
+
+TEST(Tag, UserTagPolicy) {
+  EXPECT_EQ(check_user_tag(0, "x"), 0u);
+  EXPECT_EQ(check_user_tag(kMaxUserTag, "x"), 0xFFFFFFFFu);
+  try {
+    check_user_tag(-3, "isend");
+    FAIL() << "negative tag accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("commux isend: tag -3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(check_user_tag(kMaxUserTag + 1, "irecv"), Error);
+}
+
+TEST(Tag, ReceiveMatching) {
+  auto matches = [](RecvMatch m, TagValue t) { return (t.bits & m.mask.bits) == (m.tag.bits & m.mask.bits); };
+  TagFields s;
+  s.sender = 5;
+  s.group = 2;
+  s.user = 42;
+  const TagValue from5 = make_tag(s);
+  EXPECT_TRUE(matches(recv_match(5, 2, TagKind::kUser, false, 42), from5));
+  EXPECT_FALSE(matches(recv_match(4, 2, TagKind::kUser, false, 42), from5));   // other sender
+  EXPECT_FALSE(matches(recv_match(5, 3, TagKind::kUser, false, 42), from5));   // other group
+  EXPECT_FALSE(matches(recv_match(5, 2, TagKind::kUser, false, 43), from5));   // other tag
+  EXPECT_FALSE(matches(recv_match(5, 2, TagKind::kInternal, false, 42), from5));  // kind
+  EXPECT_TRUE(matches(recv_match(-1, 2, TagKind::kUser, false, 42), from5));   // any source
+  TagFields cont = s;
+  cont.continuation = true;
+  EXPECT_FALSE(matches(recv_match(-1, 2, TagKind::kUser, false, 42), make_tag(cont)));
+  EXPECT_TRUE(matches(recv_match(5, 2, TagKind::kUser, true, 42), make_tag(cont)));
+  TagFields packed = s;
+  packed.packing = Packing::kIov;  // matched regardless, compared after completion
+  EXPECT_TRUE(matches(recv_match(5, 2, TagKind::kUser, false, 42), make_tag(packed)));
+  EXPECT_EQ(parse_tag(from5).sender, 5);
+}
+
+class FileStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/commux-store-XXXXXX";
+    dir_ = ::mkdtemp(tmpl);
+  }
+  void TearDown() override {
+    const std::string cmd = "rm -rf '" + dir_ + "'";
+    EXPECT_EQ(std::system(cmd.c_str()), 0);
+  }
+  std::string dir_;
+};
+
+TEST_F(FileStoreTest, SetGetCheck) {
+  FileStore s(dir_ + "/nested/dir");
+  EXPECT_FALSE(s.check("a/b"));
+  s.set("a/b", {1, 2, 3});
+  EXPECT_TRUE(s.check("a/b"));
+  EXPECT_EQ(s.get("a/b", std::chrono::milliseconds(10)), (std::vector<std::uint8_t>{1, 2, 3}));
+  s.set("a/b", {});
+  EXPECT_TRUE(s.get("a/b", std::chrono::milliseconds(10)).empty());
+  s.set("a%2Fb", {9});  // must not collide with "a/b"
+  EXPECT_TRUE(s.get("a/b", std::chrono::milliseconds(10)).empty());
+}
+
+TEST_F(FileStoreTest, GetWaitsThenTimesOut) {
+  FileStore s(dir_);
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    FileStore(dir_).set("late", {7});
+  });
+  EXPECT_EQ(s.get("late", std::chrono::seconds(5)), (std::vector<std::uint8_t>{7}));
+  writer.join();
+  try {
+    s.get("never", std::chrono::milliseconds(30));
+    FAIL() << "no timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kTimeout);
+    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+  }
+}
