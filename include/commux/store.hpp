@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,35 @@ class FileStore final : public Store {
  private:
   std::string path_of(const std::string& key) const;
   std::string dir_;
+};
+
+}  // namespace commux
+
+namespace commux {
+
+// A store served over TCP by one rank (the "server", normally rank 0) at host:port; every rank,
+// the server included, is a client. For torch-free programs whose ranks share no file system, and
+// for the C++ test driver (`test_commux RANK SIZE HOST PORT`). Connecting retries until `timeout`.
+// The server keeps serving until its TcpStore is destroyed.
+class TcpStore final : public Store {
+ public:
+  TcpStore(const std::string& host, int port, bool is_server,
+           std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  ~TcpStore() override;
+  TcpStore(const TcpStore&) = delete;
+  TcpStore& operator=(const TcpStore&) = delete;
+  void set(const std::string& key, const std::vector<std::uint8_t>& value) override;
+  std::vector<std::uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override;
+  bool check(const std::string& key) override;
+
+ private:
+  struct Server;
+  std::vector<std::uint8_t> request(std::uint8_t op, const std::string& key,
+                                    const std::vector<std::uint8_t>& value, bool* found);
+  std::unique_ptr<Server> server_;
+  int fd_ = -1;
+  std::string where_;
+  std::mutex mu_;
 };
 
 }  // namespace commux

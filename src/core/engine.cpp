@@ -129,6 +129,7 @@ void Engine::start() {
   ucp_worker_release_address(worker_, address);
 
   peer_status_.assign(static_cast<std::size_t>(size_), UCS_OK);
+  peer_failed_at_.assign(static_cast<std::size_t>(size_), Clock::time_point{});
   ep_args_.resize(static_cast<std::size_t>(size_));
   eps_.assign(static_cast<std::size_t>(size_), nullptr);
   for (int p = 0; p < size_; ++p) {
@@ -228,12 +229,13 @@ std::shared_ptr<Op> Engine::post(Op::Kind kind, const char* name, const Buffer* 
   if (shut_down_) {
     throw Error(Errc::kCanceled, std::string("commux ") + name + ": the communicator is shut down");
   }
-  if (peer >= 0 && peer_status_[static_cast<std::size_t>(peer)] != UCS_OK) {
+  // Sends to a peer that is gone fail at once. Receives are still posted: a message it sent before
+  // it went may be waiting; reap_failed_peers_locked() fails them if nothing matches.
+  if (kind == Op::Kind::kSend && peer_status_[static_cast<std::size_t>(peer)] != UCS_OK) {
     throw Error(Errc::kPeerFailed,
                 std::string("commux ") + name + ": peer " + std::to_string(peer) +
-                    " has failed earlier (" +
-                    ucs_status_string(peer_status_[static_cast<std::size_t>(peer)]) + "); " +
-                    describe(*op));
+                    " is gone (" + ucs_status_string(peer_status_[static_cast<std::size_t>(peer)]) +
+                    "); " + describe(*op));
   }
   inflight_.emplace(op.get(), op);
   inflight_count_.fetch_add(1);
@@ -250,10 +252,23 @@ void Engine::post_locked(const std::shared_ptr<Op>& op, std::size_t first_part,
                           op->parts.size() > 1;
   const std::size_t end = later_rest ? 1 : op->parts.size();
   for (std::size_t i = first_part; i < end; ++i) post_part_locked(*op, i, fast_completion);
-  while (!deferred_.empty()) {
+  run_deferred_locked();
+}
+
+// Work that completion callbacks may not do themselves (it would re-enter UCX or the op):
+// posting the rest of an any-source multi-part receive, cancelling the rest of a failed one.
+void Engine::run_deferred_locked() {
+  while (!deferred_.empty() || !to_cancel_.empty()) {
     auto ready = std::move(deferred_);
     deferred_.clear();
     for (auto& d : ready) post_locked(d, 1, false);
+    auto cancel = std::move(to_cancel_);
+    to_cancel_.clear();
+    for (auto& op : cancel) {
+      for (Part& p : op->parts) {
+        if (p.ucx_req != nullptr) ucp_request_cancel(worker_, p.ucx_req);
+      }
+    }
   }
 }
 
@@ -359,6 +374,7 @@ void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
             (op.packing == Packing::kIov ? "a packed one" : "separate parts") +
             ": COMMUX_COALESCE must have the same value on every rank and the buffer counts must "
             "match";
+        if (op.remaining > 1) to_cancel_.push_back(inflight_.at(&op));  // the rest never comes
       }
     }
   } else if (status == UCS_OK) {
@@ -409,24 +425,39 @@ void Engine::ep_error_cb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 }
 
 void Engine::fail_peer_locked(int peer, ucs_status_t status) {
+  // Sends to the peer are failed by UCX itself. Receives are worker-level: messages the peer sent
+  // before it went may still be in flight, so receives are failed later, once progress is idle
+  // and a grace period has passed (reap_failed_peers_locked).
   peer_status_[static_cast<std::size_t>(peer)] = status;
+  peer_failed_at_[static_cast<std::size_t>(peer)] = Clock::now();
+  any_peer_failed_ = true;
+}
+
+void Engine::reap_failed_peers_locked() {
+  constexpr auto kGrace = std::chrono::milliseconds(100);
+  const auto now = Clock::now();
+  if (now < next_reap_) return;
+  next_reap_ = now + std::chrono::milliseconds(10);
   std::vector<std::shared_ptr<Op>> victims;
   for (auto& [ptr, op] : inflight_) {
-    const bool from_peer = op->peer == peer || (op->peer == kAnySource && op->source == peer);
-    if (from_peer) victims.push_back(op);
+    if (op->kind != Op::Kind::kRecv || op->has_override) continue;
+    const int from = op->peer != kAnySource ? op->peer : (op->remaining > 0 && op->parts.size() > 1 &&
+                                                          op->parts[0].ucx_req == nullptr
+                                                              ? op->source
+                                                              : kAnySource);
+    if (from == kAnySource) continue;
+    const auto p = static_cast<std::size_t>(from);
+    if (peer_status_[p] != UCS_OK && now - peer_failed_at_[p] >= kGrace) victims.push_back(op);
   }
   for (auto& op : victims) {
-    if (!op->has_override) {
-      op->has_override = true;
-      op->override_code = Errc::kPeerFailed;
-      op->override_reason = "peer " + std::to_string(peer) + " failed (" +
-                            ucs_status_string(status) + ")";
-    }
-    // Sends to the peer are failed by UCX itself; receives are worker-level, so cancel them.
-    if (op->kind == Op::Kind::kRecv) {
-      for (Part& p : op->parts) {
-        if (p.ucx_req != nullptr) ucp_request_cancel(worker_, p.ucx_req);
-      }
+    const auto p = static_cast<std::size_t>(op->peer != kAnySource ? op->peer : op->source);
+    op->has_override = true;
+    op->override_code = Errc::kPeerFailed;
+    op->override_reason = "peer " + std::to_string(p) + " is gone (closed or failed: " +
+                          ucs_status_string(peer_status_[p]) +
+                          ") and no matching message from it had arrived";
+    for (Part& part : op->parts) {
+      if (part.ucx_req != nullptr) ucp_request_cancel(worker_, part.ucx_req);
     }
   }
 }
@@ -437,11 +468,8 @@ void Engine::fail_peer_locked(int peer, ucs_status_t status) {
 unsigned Engine::progress_locked() {
   if (worker_ == nullptr || shut_down_) return 0;
   const unsigned n = ucp_worker_progress(worker_);
-  while (!deferred_.empty()) {
-    auto ready = std::move(deferred_);
-    deferred_.clear();
-    for (auto& d : ready) post_locked(d, 1, false);
-  }
+  run_deferred_locked();
+  if (n == 0 && any_peer_failed_) reap_failed_peers_locked();
   return n;
 }
 

@@ -94,7 +94,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
                         const ucp_tag_recv_info_t* info);
   void finish_locked(Op& op);
   void fail_peer_locked(int peer, ucs_status_t status);
+  void reap_failed_peers_locked();
   unsigned progress_locked();
+  void run_deferred_locked();
   void progress_thread_main();
   void kick();
   std::string describe(const Op& op) const;
@@ -110,12 +112,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<ucp_ep_h> eps_;                       // [mu]
   std::vector<std::pair<Engine*, int>> ep_args_;    // error-callback arguments, one per peer
   std::vector<ucs_status_t> peer_status_;           // [mu] UCS_OK or why the peer failed
+  std::vector<std::chrono::steady_clock::time_point> peer_failed_at_;  // [mu]
+  bool any_peer_failed_ = false;                    // [mu]
+  std::chrono::steady_clock::time_point next_reap_{};  // [mu]
   int efd_ = -1;                                    // worker event fd, -1 if none
   int wake_fd_ = -1;                                // eventfd that wakes the progress thread
 
   std::mutex worker_mu_;
   std::unordered_map<Op*, std::shared_ptr<Op>> inflight_;  // [mu]
   std::vector<std::shared_ptr<Op>> deferred_;       // [mu] any-source ops whose rest must post
+  std::vector<std::shared_ptr<Op>> to_cancel_;      // [mu] ops whose other parts must be cancelled
   std::atomic<int> inflight_count_{0};
   std::atomic<int> spinners_{0};
   std::atomic<int> sleepers_{0};
