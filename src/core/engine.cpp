@@ -22,6 +22,7 @@ namespace commux::detail {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr std::size_t kNoInfo = ~std::size_t{0};
 
 ucs_memory_type_t to_ucs(MemoryType m) {
   switch (m) {
@@ -29,7 +30,11 @@ ucs_memory_type_t to_ucs(MemoryType m) {
     case MemoryType::kCuda: return UCS_MEMORY_TYPE_CUDA;
     case MemoryType::kCudaManaged: return UCS_MEMORY_TYPE_CUDA_MANAGED;
     case MemoryType::kRocm: return UCS_MEMORY_TYPE_ROCM;
+#if UCP_API_VERSION >= UCP_VERSION(1, 15)  // Intel GPU (Level Zero) memory arrived in UCX 1.15
     case MemoryType::kZe: return UCS_MEMORY_TYPE_ZE_DEVICE;
+#else
+    case MemoryType::kZe: return UCS_MEMORY_TYPE_LAST;  // unsupported: validate() rejects it
+#endif
     case MemoryType::kUnknown: return UCS_MEMORY_TYPE_UNKNOWN;
   }
   return UCS_MEMORY_TYPE_UNKNOWN;
@@ -101,6 +106,11 @@ void Engine::start() {
   check_status(st, "init: ucp_init");
 
   info_.ucx_version = ucp_get_version_string();
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  // UCX 1.13 can complete a receive immediately without filling in recv_info (seen with zero-byte
+  // messages), which would lose the sender and length; make it use the callback instead.
+  recv_no_imm_ = major == 1 && minor < 14;
   ucp_context_attr_t attr{};
   attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
   check_status(ucp_context_query(context_, &attr), "init: ucp_context_query");
@@ -179,9 +189,10 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
     }
     const MemoryType m = buffers[i].mem;
     if (m != MemoryType::kHost && m != MemoryType::kUnknown) {
-      const char* want = ucs_memory_type_names[to_ucs(m)];
-      if (std::find(info_.memory_types.begin(), info_.memory_types.end(), want) ==
-          info_.memory_types.end()) {
+      const ucs_memory_type_t u = to_ucs(m);
+      if (u == UCS_MEMORY_TYPE_LAST ||
+          std::find(info_.memory_types.begin(), info_.memory_types.end(),
+                    ucs_memory_type_names[u]) == info_.memory_types.end()) {
         throw Error(Errc::kUnsupported,
                     std::string("commux ") + name + ": buffer " + std::to_string(i) + " is " +
                         memory_type_name(m) + " memory, but the UCX in use (" + info_.ucx_version +
@@ -311,13 +322,16 @@ void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
   } else {
     prm.cb.recv = &Engine::recv_cb;
     prm.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    if (recv_no_imm_) prm.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     prm.recv_info.tag_info = &part.info;
+    part.info.length = kNoInfo;  // tells whether UCX filled it in on an immediate failure
     const int sender = continuation ? op.source : op.peer;
     const RecvMatch m = recv_match(sender, options_.group, op.tag_kind, continuation, op.tag);
     r = ucp_tag_recv_nbx(worker_, buf, cnt, m.tag.bits, m.mask.bits, &prm);
   }
   if (UCS_PTR_IS_ERR(r)) {
-    part_done_locked(op, part.index, UCS_PTR_STATUS(r), nullptr);
+    const bool filled = op.kind == Op::Kind::kRecv && part.info.length != kNoInfo;
+    part_done_locked(op, part.index, UCS_PTR_STATUS(r), filled ? &part.info : nullptr);
   } else if (r == nullptr) {
     part_done_locked(op, part.index, UCS_OK, op.kind == Op::Kind::kRecv ? &part.info : nullptr);
   } else {
@@ -380,6 +394,10 @@ void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
   } else if (status == UCS_OK) {
     op.bytes += op.packing == Packing::kIov ? op.capacity
                                             : (op.buffers.empty() ? 0 : op.buffers[index].size);
+  }
+  if (status == UCS_ERR_MESSAGE_TRUNCATED && info == nullptr) {
+    op.detail = "the message is longer than the " + std::to_string(op.capacity) +
+                "-byte buffer posted (UCX did not report its length)";
   }
   if (status != UCS_OK && op.status == UCS_OK) op.status = status;
   if (op.kind == Op::Kind::kRecv && op.peer == kAnySource && index == 0 && op.parts.size() > 1 &&

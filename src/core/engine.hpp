@@ -116,6 +116,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool any_peer_failed_ = false;                    // [mu]
   std::chrono::steady_clock::time_point next_reap_{};  // [mu]
   int efd_ = -1;                                    // worker event fd, -1 if none
+  bool recv_no_imm_ = false;  // old UCX does not always fill recv_info on immediate completion
   int wake_fd_ = -1;                                // eventfd that wakes the progress thread
 
   std::mutex worker_mu_;
