@@ -158,3 +158,27 @@ TEST(Failures, BlockedWaiterDoesNotSpin) {
     }
   });
 }
+
+// A blocking recv() that times out is cancelled, not left posted: the message that arrives later
+// goes to the next recv(), never into the first one's (possibly freed) buffer.
+TEST(Failures, BlockingRecvTimeoutCancels) {
+  RunOptions o;
+  o.comm.timeout = std::chrono::milliseconds(300);
+  run_ranks(2, [](Communicator& c) {
+    std::vector<unsigned char> first(4, 0), second(4, 0), one(4, 42);
+    if (c.rank() == 1) {
+      CX_CHECK_HAS(expect_error(Errc::kTimeout, [&] { c.recv({buf(first)}, 0, 7); }),
+                   "the operation was cancelled");
+      std::vector<unsigned char> go(1);
+      c.send({buf(go)}, 0, 8);
+      Request r = c.irecv(buf(second), 0, 7);
+      r.wait(std::chrono::seconds(10));
+      CX_CHECK_EQ(int(first[0]), 0);
+      CX_CHECK_EQ(int(second[0]), 42);
+    } else {
+      std::vector<unsigned char> go(1);
+      c.irecv(buf(go), 1, 8).wait(std::chrono::seconds(10));
+      c.send({buf(one)}, 1, 7);
+    }
+  }, o);
+}

@@ -37,9 +37,9 @@ TEST_P(MultiBuffer, ListIsOneOperation) {
 INSTANTIATE_TEST_SUITE_P(Packings, MultiBuffer,
                          ::testing::Combine(::testing::Values(Packing::kParts, Packing::kIov),
                                             ::testing::Values(1, 2, 3)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param) == Packing::kIov ? "iov" : "parts") +
-                                  "_" + std::to_string(std::get<1>(info.param)) + "ranks";
+                         [](const auto& p) {
+                           return std::string(std::get<0>(p.param) == Packing::kIov ? "iov" : "parts") +
+                                  "_" + std::to_string(std::get<1>(p.param)) + "ranks";
                          });
 
 // A rank that packs multi-buffer messages while its peer does not gets a clear error, not garbage.

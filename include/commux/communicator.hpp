@@ -128,7 +128,8 @@ class Communicator {
   Request irecv(Buffer buffer, int peer, std::int64_t tag) {
     return irecv(std::vector<Buffer>{buffer}, peer, tag);
   }
-  // Blocking forms. send() asks UCX for fast local completion (eager up to UCX's
+  // Blocking forms. On a timeout they cancel the operation before throwing, so nothing stays
+  // posted into the caller's buffers. send() asks UCX for fast local completion (eager up to UCX's
   // RNDV_SEND_NBR_THRESH), which is what a caller that waits at once wants.
   void send(const std::vector<Buffer>& buffers, int peer, std::int64_t tag);
   // Returns the completed request, so source() and bytes() can be read.
@@ -145,6 +146,7 @@ class Communicator {
   void shutdown();
 
  private:
+  void wait_or_cancel(Request& r);
   std::shared_ptr<detail::Engine> engine_;
 };
 

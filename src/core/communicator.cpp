@@ -71,7 +71,12 @@ void Request::wait() {
 
 void Request::wait(std::chrono::milliseconds timeout) {
   require(op_);
-  op_->engine->wait(*op_, timeout);
+  try {
+    op_->engine->wait(*op_, timeout);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string(e.what()) +
+                              "; the operation is still posted: wait again or cancel it");
+  }
   if (op_->error) std::rethrow_exception(op_->error);
 }
 
@@ -127,18 +132,42 @@ Request Communicator::irecv(const std::vector<Buffer>& buffers, int peer, std::i
                                peer, TagKind::kUser, t, false));
 }
 
+// The blocking forms never return with the operation still posted: the caller gets no Request
+// to cancel, and its buffers may be gone. On a timeout the operation is cancelled and waited for
+// (bounded by the shutdown timeout) before the timeout error is thrown.
+void Communicator::wait_or_cancel(Request& r) {
+  detail::Op& op = *r.op_;
+  try {
+    op.engine->wait(op, options().timeout);
+  } catch (const Error& timeout) {
+    r.cancel();
+    try {
+      op.engine->wait(op, options().shutdown_timeout);
+    } catch (const Error&) {
+      throw Error(Errc::kTimeout, std::string(timeout.what()) +
+                                      "; cancelling it did not finish either, so its buffers "
+                                      "must stay alive until the communicator is shut down");
+    }
+    if (op.error != nullptr) {
+      throw Error(Errc::kTimeout, std::string(timeout.what()) + "; the operation was cancelled");
+    }
+    // It matched while being cancelled: a success after all.
+  }
+  if (op.error) std::rethrow_exception(op.error);
+}
+
 void Communicator::send(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "send");
   Request r(engine_->post(detail::Op::Kind::kSend, "send", buffers.data(), buffers.size(), peer,
                           TagKind::kUser, t, true));
-  r.wait();
+  wait_or_cancel(r);
 }
 
 Request Communicator::recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "recv");
   Request r(engine_->post(detail::Op::Kind::kRecv, "recv", buffers.data(), buffers.size(), peer,
                           TagKind::kUser, t, false));
-  r.wait();
+  wait_or_cancel(r);
   return r;
 }
 

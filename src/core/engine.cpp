@@ -579,8 +579,7 @@ void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
       d = describe(op);
     }
     throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": timed out after " +
-                                    std::to_string(timeout.count()) + " ms (" + d +
-                                    "); the operation is still posted: wait again or cancel it");
+                                    std::to_string(timeout.count()) + " ms (" + d + ")");
   }
 }
 
