@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what commux needs on a fresh Debian machine; safe to rerun (installs only what is
+# missing). Debian packages: compilers, GoogleTest, UCX 1.13 (system provider, perftest), Open MPI
+# (benchmark peer), iproute2 (two-namespace test). Python venv .venv: the libucx-cu13 wheel (UCX
+# 1.22 with CUDA transports, the default provider), cmake, ninja, pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_packages=(g++ make pkg-config libgtest-dev libucx-dev ucx-utils openmpi-bin libopenmpi-dev iproute2 python3-venv)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$python" -m venv .venv
+fi
+if ! .venv/bin/python -c "import libucx, cmake, ninja, pytest" 2>/dev/null; then
+  echo "setup: installing Python packages into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check "libucx-cu13>=1.22,<1.23" cmake ninja pytest
+fi
+echo "setup: ok ($(.venv/bin/python -c 'import libucx; print("libucx", libucx.__version__)'))"

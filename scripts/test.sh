@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# scripts/test.sh: every test, from a fresh machine. Installs what is missing, then builds and runs
+# the C++ suites against both UCX providers (the wheel's UCX 1.22 and Debian's UCX 1.13), a smoke
+# run of the benchmark (correctness only), and the Python tests when there are any.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+
+run_ctest() {  # build dir
+  (cd "$1" && ../.venv/bin/ctest --output-on-failure --timeout 240 -j2)
+}
+
+echo "== C++ tests, UCX from the libucx-cu13 wheel"
+scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
+run_ctest build
+
+echo "== C++ tests, UCX from the system (Debian libucx-dev)"
+scripts/build.sh build-system -DCOMMUX_UCX_PROVIDER=system -DCOMMUX_BUILD_BENCH=OFF
+run_ctest build-system
+
+if [ -f bench/run_bench.py ]; then
+  echo "== benchmark smoke run (correctness checked; timings not judged)"
+  .venv/bin/python bench/run_bench.py --build build --quick
+fi
+
+if [ -d python/tests ] || [ -d tests/python ]; then
+  echo "== Python tests"
+  set +e
+  .venv/bin/python -m pytest -q
+  rc=$?
+  set -e
+  if [ $rc -eq 5 ]; then echo "pytest: no tests collected"; elif [ $rc -ne 0 ]; then exit $rc; fi
+fi
+echo "scripts/test.sh: all tests passed"
