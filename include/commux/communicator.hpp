@@ -51,13 +51,19 @@ struct Options {
   std::chrono::milliseconds shutdown_timeout{std::chrono::milliseconds(3000)};
   // How multi-buffer messages travel; every rank must agree (a mismatch is detected and reported).
   Packing packing = Packing::kParts;
+  // Waiting on the worker's event fd needs UCX's wakeup feature, which UCX grants only by dropping
+  // every transport without wakeup events -- shared memory among them. kAuto uses it only when the
+  // user's UCX_TLS allows no shared-memory transport (e.g. UCX_TLS=tcp); otherwise the progress
+  // thread polls with an exponential backoff (5 us .. 1 ms while work is in flight).
+  enum class Wakeup : std::uint8_t { kAuto, kOn, kOff };
+  Wakeup wakeup = Wakeup::kAuto;
   // Group id carried in every tag (0 .. 255).
   int group = 0;
   // Keys in the store are "<store_prefix>/...".
   std::string store_prefix = "commux";
 
   // Defaults overridden by the environment: COMMUX_COALESCE=1 (packing = kIov),
-  // COMMUX_SPIN_US, COMMUX_TIMEOUT_MS, COMMUX_SHUTDOWN_TIMEOUT_MS.
+  // COMMUX_SPIN_US, COMMUX_TIMEOUT_MS, COMMUX_SHUTDOWN_TIMEOUT_MS, COMMUX_WAKEUP=auto|on|off.
   static Options from_env();
 };
 

@@ -48,6 +48,18 @@ Options Options::from_env() {
   o.timeout = std::chrono::milliseconds(env_long("COMMUX_TIMEOUT_MS", o.timeout.count()));
   o.shutdown_timeout = std::chrono::milliseconds(
       env_long("COMMUX_SHUTDOWN_TIMEOUT_MS", o.shutdown_timeout.count()));
+  if (const char* w = std::getenv("COMMUX_WAKEUP"); w != nullptr && *w != '\0') {
+    const std::string v = w;
+    if (v == "auto") {
+      o.wakeup = Options::Wakeup::kAuto;
+    } else if (v == "on" || v == "1") {
+      o.wakeup = Options::Wakeup::kOn;
+    } else if (v == "off" || v == "0") {
+      o.wakeup = Options::Wakeup::kOff;
+    } else {
+      throw Error(Errc::kInvalidArgument, "commux init: COMMUX_WAKEUP='" + v + "' is not auto, on or off");
+    }
+  }
   return o;
 }
 

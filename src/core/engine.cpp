@@ -92,13 +92,20 @@ Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options
 Engine::~Engine() { shutdown(); }
 
 void Engine::start() {
+  use_wakeup_ = options_.wakeup == Options::Wakeup::kOn ||
+                (options_.wakeup == Options::Wakeup::kAuto &&
+                 tls_excludes_shared_memory(std::getenv("UCX_TLS")));
   ucp_config_t* config = nullptr;
   check_status(ucp_config_read(nullptr, nullptr, &config), "init: reading the UCX configuration");
   info_.applied_defaults = apply_ucx_defaults(config, &info_.user_settings);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                       UCP_PARAM_FIELD_ESTIMATED_NUM_EPS;
-  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_TAG;
+  // UCP_FEATURE_WAKEUP makes UCX drop every transport without wakeup events -- shared memory
+  // among them (a two-rank job on one host then runs over TCP loopback, 80x slower). So the
+  // event fd is used only where no shared-memory transport could be chosen anyway.
+  if (use_wakeup_) params.features |= UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
   params.estimated_num_eps = static_cast<std::size_t>(size_);
   const ucs_status_t st = ucp_init(&params, config, &context_);
@@ -106,11 +113,6 @@ void Engine::start() {
   check_status(st, "init: ucp_init");
 
   info_.ucx_version = ucp_get_version_string();
-  unsigned major = 0, minor = 0, release = 0;
-  ucp_get_version(&major, &minor, &release);
-  // UCX 1.13 can complete a receive immediately without filling in recv_info (seen with zero-byte
-  // messages), which would lose the sender and length; make it use the callback instead.
-  recv_no_imm_ = major == 1 && minor < 14;
   ucp_context_attr_t attr{};
   attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
   check_status(ucp_context_query(context_, &attr), "init: ucp_context_query");
@@ -125,7 +127,7 @@ void Engine::start() {
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialised by worker_mu_
   check_status(ucp_worker_create(context_, &wp, &worker_), "init: ucp_worker_create");
-  if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
+  if (!use_wakeup_ || ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
   info_.event_fd = efd_ >= 0;
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) throw Error(Errc::kTransport, "commux init: eventfd failed");
@@ -135,28 +137,50 @@ void Engine::start() {
   check_status(ucp_worker_get_address(worker_, &address, &address_len),
                "init: ucp_worker_get_address");
   const auto* a = reinterpret_cast<const std::uint8_t*>(address);
-  store_->set(addr_key(options_, rank_), std::vector<std::uint8_t>(a, a + address_len));
+  const ProcessIdentity me = self_identity();
+  store_->set(addr_key(options_, rank_),
+              encode_record(PeerRecord{me, std::vector<std::uint8_t>(a, a + address_len)}));
   ucp_worker_release_address(worker_, address);
 
   peer_status_.assign(static_cast<std::size_t>(size_), UCS_OK);
   peer_failed_at_.assign(static_cast<std::size_t>(size_), Clock::time_point{});
+  peer_reason_.assign(static_cast<std::size_t>(size_), std::string());
+  peer_identity_.assign(static_cast<std::size_t>(size_), ProcessIdentity{});
+  peer_same_host_.assign(static_cast<std::size_t>(size_), false);
   ep_args_.resize(static_cast<std::size_t>(size_));
   eps_.assign(static_cast<std::size_t>(size_), nullptr);
   for (int p = 0; p < size_; ++p) {
     // Start with the right-hand neighbour so ranks do not all wait on rank 0's key first.
     const int peer = (rank_ + p) % size_;
-    const std::vector<std::uint8_t> remote = store_->get(addr_key(options_, peer), options_.timeout);
-    ep_args_[static_cast<std::size_t>(peer)] = {this, peer};
+    const PeerRecord remote = decode_record(store_->get(addr_key(options_, peer), options_.timeout),
+                                            "rank " + std::to_string(peer));
+    const auto pi = static_cast<std::size_t>(peer);
+    peer_identity_[pi] = remote.identity;
+    peer_same_host_[pi] = remote.identity.host == me.host;
+    ep_args_[pi] = {this, peer};
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(remote.address.data());
+    // Peer error handling would cost same-host peers their shared-memory transports (see
+    // peer_record.hpp); those are watched by check_local_peers() instead.
+    ep.err_mode = peer_same_host_[pi] ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = &Engine::ep_error_cb;
     ep.err_handler.arg = &ep_args_[static_cast<std::size_t>(peer)];
     std::lock_guard<std::mutex> lock(worker_mu_);
-    check_status(ucp_ep_create(worker_, &ep, &eps_[static_cast<std::size_t>(peer)]),
-                 "init: connecting to peer " + std::to_string(peer));
+    const ucs_status_t created = ucp_ep_create(worker_, &ep, &eps_[pi]);
+    if (created != UCS_OK && peer_same_host_[pi]) {
+      // A peer may finish its work (eager sends to us included) and leave before we connect;
+      // its shared memory is gone then. That is a peer that left, not a failed start: messages
+      // it sent are still delivered, and operations that need it fail naming this reason.
+      eps_[pi] = nullptr;
+      fail_peer_locked(peer, created,
+                       std::string("could not connect to its process ") +
+                           std::to_string(remote.identity.pid) + " on this host (" +
+                           ucs_status_string(created) + "): it has probably left already");
+      continue;
+    }
+    check_status(created, "init: connecting to peer " + std::to_string(peer));
   }
   progress_thread_ = std::thread([this] { progress_thread_main(); });
 }
@@ -244,9 +268,8 @@ std::shared_ptr<Op> Engine::post(Op::Kind kind, const char* name, const Buffer* 
   // it went may be waiting; reap_failed_peers_locked() fails them if nothing matches.
   if (kind == Op::Kind::kSend && peer_status_[static_cast<std::size_t>(peer)] != UCS_OK) {
     throw Error(Errc::kPeerFailed,
-                std::string("commux ") + name + ": peer " + std::to_string(peer) +
-                    " is gone (" + ucs_status_string(peer_status_[static_cast<std::size_t>(peer)]) +
-                    "); " + describe(*op));
+                std::string("commux ") + name + ": peer " + std::to_string(peer) + " is gone (" +
+                    peer_reason_[static_cast<std::size_t>(peer)] + "); " + describe(*op));
   }
   inflight_.emplace(op.get(), op);
   inflight_count_.fetch_add(1);
@@ -322,7 +345,10 @@ void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
   } else {
     prm.cb.recv = &Engine::recv_cb;
     prm.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
-    if (recv_no_imm_) prm.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    // Always complete receives through the callback: on immediate completion UCX does not always
+    // fill in recv_info (1.13: zero-byte messages; 1.22: some truncated ones), which would lose
+    // the sender, the length and the packing check.
+    prm.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     prm.recv_info.tag_info = &part.info;
     part.info.length = kNoInfo;  // tells whether UCX filled it in on an immediate failure
     const int sender = continuation ? op.source : op.peer;
@@ -439,16 +465,52 @@ void Engine::finish_locked(Op& op) {
 
 void Engine::ep_error_cb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   auto* a = static_cast<std::pair<Engine*, int>*>(arg);
-  a->first->fail_peer_locked(a->second, status);
+  a->first->fail_peer_locked(a->second, status, ucs_status_string(status));
 }
 
-void Engine::fail_peer_locked(int peer, ucs_status_t status) {
-  // Sends to the peer are failed by UCX itself. Receives are worker-level: messages the peer sent
-  // before it went may still be in flight, so receives are failed later, once progress is idle
-  // and a grace period has passed (reap_failed_peers_locked).
-  peer_status_[static_cast<std::size_t>(peer)] = status;
-  peer_failed_at_[static_cast<std::size_t>(peer)] = Clock::now();
+void Engine::fail_peer_locked(int peer, ucs_status_t status, const std::string& reason) {
+  // Sends to the peer are failed by UCX (peer error handling) or by the force-close below.
+  // Receives are worker-level: messages the peer sent before it went may still be in flight, so
+  // receives are failed later, once progress is idle and a grace period has passed
+  // (reap_failed_peers_locked).
+  const auto p = static_cast<std::size_t>(peer);
+  if (peer_status_[p] != UCS_OK) return;
+  peer_status_[p] = status;
+  peer_failed_at_[p] = Clock::now();
+  peer_reason_[p] = reason;
   any_peer_failed_ = true;
+  for (auto& [ptr, op] : inflight_) {
+    if (op->kind == Op::Kind::kSend && op->peer == peer && !op->has_override) {
+      op->has_override = true;
+      op->override_code = Errc::kPeerFailed;
+      op->override_reason = "peer " + std::to_string(peer) + " is gone (" + reason + ")";
+    }
+  }
+}
+
+void Engine::check_local_peers() {
+  std::vector<int> dead;
+  for (int p = 0; p < size_; ++p) {
+    const auto pi = static_cast<std::size_t>(p);
+    if (p != rank_ && peer_same_host_[pi] && !process_alive(peer_identity_[pi])) dead.push_back(p);
+  }
+  if (dead.empty()) return;
+  std::lock_guard<std::mutex> lock(worker_mu_);
+  if (shut_down_) return;
+  for (int p : dead) {
+    const auto pi = static_cast<std::size_t>(p);
+    if (peer_status_[pi] != UCS_OK) continue;
+    fail_peer_locked(p, UCS_ERR_CONNECTION_RESET,
+                     "its process " + std::to_string(peer_identity_[pi].pid) +
+                         " on this host has exited");
+    // Force-closing completes the sends still queued to it (with an error) and frees them.
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(eps_[pi], &prm);
+    if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
+    eps_[pi] = nullptr;
+  }
 }
 
 void Engine::reap_failed_peers_locked() {
@@ -471,8 +533,7 @@ void Engine::reap_failed_peers_locked() {
     const auto p = static_cast<std::size_t>(op->peer != kAnySource ? op->peer : op->source);
     op->has_override = true;
     op->override_code = Errc::kPeerFailed;
-    op->override_reason = "peer " + std::to_string(p) + " is gone (closed or failed: " +
-                          ucs_status_string(peer_status_[p]) +
+    op->override_reason = "peer " + std::to_string(p) + " is gone (" + peer_reason_[p] +
                           ") and no matching message from it had arrived";
     for (Part& part : op->parts) {
       if (part.ucx_req != nullptr) ucp_request_cancel(worker_, part.ucx_req);
@@ -498,45 +559,64 @@ void Engine::kick() {
 }
 
 void Engine::progress_thread_main() {
-  std::uint64_t drain = 0;
+  // Polling mode backs off from 5 us to a cap while nothing happens, so the interval is about half
+  // the time since the last activity: responsive right after traffic, nearly free when idle.
+  constexpr auto kMinIdle = std::chrono::microseconds(5);
+  auto idle = kMinIdle;
+  auto next_check = Clock::now();
   while (!stop_.load()) {
-    pollfd fds[2];
-    int nfds = 0;
-    int timeout_ms = inflight_count_.load() > 0 ? 10 : 100;
+    if (inflight_count_.load() > 0 && Clock::now() >= next_check) {
+      check_local_peers();
+      next_check = Clock::now() + std::chrono::milliseconds(200);
+    }
     if (spinners_.load() > 0) {
       // A user thread is progressing: stay off the CPU until it stops (or 10 ms pass).
-      fds[nfds++] = pollfd{wake_fd_, POLLIN, 0};
-      timeout_ms = 10;
-    } else {
-      bool busy = false;
-      {
-        std::lock_guard<std::mutex> lock(worker_mu_);
-        if (shut_down_) break;
-        for (int i = 0; i < 256 && progress_locked() > 0; ++i) {
-        }
-        if (efd_ >= 0) busy = ucp_worker_arm(worker_) == UCS_ERR_BUSY;
-      }
-      if (busy) {
-        sched_yield();
-        continue;
-      }
-      fds[nfds++] = pollfd{wake_fd_, POLLIN, 0};
-      if (efd_ >= 0) {
-        fds[nfds++] = pollfd{efd_, POLLIN, 0};
-      } else {
-        // No event fd: a yielding poll (50 us, or 20 us while work is in flight).
-        const timespec ts{0, inflight_count_.load() > 0 ? 20000L : 50000L};
-        ::ppoll(fds, static_cast<nfds_t>(nfds), &ts, nullptr);
-        if (fds[0].revents & POLLIN) {
-          [[maybe_unused]] const ssize_t r = ::read(wake_fd_, &drain, sizeof(drain));
-        }
-        continue;
-      }
+      wait_for_kick(std::chrono::milliseconds(10), -1);
+      idle = kMinIdle;
+      continue;
     }
-    if (::poll(fds, static_cast<nfds_t>(nfds), timeout_ms) > 0 && (fds[0].revents & POLLIN)) {
-      [[maybe_unused]] const ssize_t r = ::read(wake_fd_, &drain, sizeof(drain));
+    unsigned n = 0;
+    bool busy = false;
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      if (shut_down_) break;
+      for (int i = 0; i < 256; ++i) {
+        const unsigned k = progress_locked();
+        n += k;
+        if (k == 0) break;
+      }
+      if (efd_ >= 0 && n == 0) busy = ucp_worker_arm(worker_) == UCS_ERR_BUSY;
     }
+    const bool in_flight = inflight_count_.load() > 0;
+    if (efd_ >= 0) {
+      if (n > 0 || busy) continue;
+      // Event mode: sleep until the worker's fd fires; wake at least every 10 ms while work is in
+      // flight (transports whose pending queues raise no event, keepalive).
+      wait_for_kick(std::chrono::milliseconds(in_flight ? 10 : 100), efd_);
+      continue;
+    }
+    if (n > 0) {
+      idle = kMinIdle;
+      continue;
+    }
+    const auto cap = in_flight ? std::chrono::microseconds(1000) : std::chrono::microseconds(20000);
+    idle = std::min(idle * 2, std::chrono::duration_cast<std::chrono::microseconds>(cap));
+    if (wait_for_kick(idle, -1)) idle = kMinIdle;
   }
+}
+
+bool Engine::wait_for_kick(std::chrono::microseconds timeout, int other_fd) {
+  pollfd fds[2] = {pollfd{wake_fd_, POLLIN, 0}, pollfd{other_fd, POLLIN, 0}};
+  const auto secs = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  const timespec ts{static_cast<time_t>(secs.count()),
+                    static_cast<long>((timeout - secs).count() * 1000)};
+  const int r = ::ppoll(fds, other_fd >= 0 ? 2 : 1, &ts, nullptr);
+  if (r > 0 && (fds[0].revents & POLLIN)) {
+    std::uint64_t drain = 0;
+    [[maybe_unused]] const ssize_t got = ::read(wake_fd_, &drain, sizeof(drain));
+    return true;
+  }
+  return false;
 }
 
 bool Engine::test(Op& op) {
@@ -633,7 +713,7 @@ void Engine::shutdown() {
   }
   if (worker_ != nullptr) {
     std::vector<void*> closing;
-    for (std::size_t p = 0; p < eps_.size(); ++p) {
+    for (std::size_t p = 0; p < eps_.size(); ++p) {  // dead same-host peers are already closed
       if (eps_[p] == nullptr) continue;
       ucp_request_param_t prm{};
       prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -653,6 +733,8 @@ void Engine::shutdown() {
                     closing.end());
     }
     for (void* r : closing) ucp_request_free(r);  // released by UCX when the worker goes
+    for (void* r : closing_) ucp_request_free(r);
+    closing_.clear();
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
   }

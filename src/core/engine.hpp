@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "commux/communicator.hpp"
+#include "peer_record.hpp"
 
 namespace commux::detail {
 
@@ -93,12 +94,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
                         const ucp_tag_recv_info_t* info);
   void finish_locked(Op& op);
-  void fail_peer_locked(int peer, ucs_status_t status);
+  void fail_peer_locked(int peer, ucs_status_t status, const std::string& reason);
+  void check_local_peers();
   void reap_failed_peers_locked();
   unsigned progress_locked();
   void run_deferred_locked();
   void progress_thread_main();
   void kick();
+  // Sleeps until kick() (true), `timeout`, or `other_fd` (if >= 0) becomes readable.
+  bool wait_for_kick(std::chrono::microseconds timeout, int other_fd);
   std::string describe(const Op& op) const;
 
   std::shared_ptr<Store> store_;
@@ -113,10 +117,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<std::pair<Engine*, int>> ep_args_;    // error-callback arguments, one per peer
   std::vector<ucs_status_t> peer_status_;           // [mu] UCS_OK or why the peer failed
   std::vector<std::chrono::steady_clock::time_point> peer_failed_at_;  // [mu]
+  std::vector<std::string> peer_reason_;            // [mu] why the peer is gone
+  std::vector<ProcessIdentity> peer_identity_;      // set in start(), then read-only
+  std::vector<bool> peer_same_host_;                // set in start(), then read-only
+  std::vector<void*> closing_;                      // [mu] force-close requests of dead peers
   bool any_peer_failed_ = false;                    // [mu]
   std::chrono::steady_clock::time_point next_reap_{};  // [mu]
   int efd_ = -1;                                    // worker event fd, -1 if none
-  bool recv_no_imm_ = false;  // old UCX does not always fill recv_info on immediate completion
+  bool use_wakeup_ = false;   // event-fd waiting (Options::wakeup, resolved)
   int wake_fd_ = -1;                                // eventfd that wakes the progress thread
 
   std::mutex worker_mu_;

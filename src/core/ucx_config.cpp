@@ -1,7 +1,9 @@
 #include "ucx_config.hpp"
 
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
+#include <string>
 
 extern char** environ;
 
@@ -33,6 +35,23 @@ std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<st
     }
   }
   return applied;
+}
+
+bool tls_excludes_shared_memory(const char* tls) {
+  if (tls == nullptr || *tls == '\0' || *tls == '^') return false;  // unset, or a deny list
+  static const char* const kShared[] = {"all", "sm", "shm", "posix", "sysv", "xpmem", "knem", "cma",
+                                        "cuda_ipc", "rocm_ipc"};
+  std::string list = tls;
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    const std::size_t end = std::min(list.find(',', start), list.size());
+    const std::string name = list.substr(start, end - start);
+    for (const char* s : kShared) {
+      if (name == s) return false;
+    }
+    start = end + 1;
+  }
+  return true;
 }
 
 }  // namespace commux::detail

@@ -22,4 +22,8 @@ const std::vector<UcxDefault>& ucx_defaults();
 // fills `user` with the UCX_* variables found in the environment.
 std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<std::string>* user);
 
+// True when the UCX_TLS value `tls` (nullptr when unset) lets UCX pick no shared-memory
+// transport, so asking for the wakeup feature costs nothing.
+bool tls_excludes_shared_memory(const char* tls);
+
 }  // namespace commux::detail
