@@ -23,6 +23,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kNoInfo = ~std::size_t{0};
+constexpr std::chrono::microseconds kMaxSpin{20000};
 
 ucs_memory_type_t to_ucs(MemoryType m) {
   switch (m) {
@@ -244,7 +245,8 @@ std::shared_ptr<Op> Engine::post(Op::Kind kind, const char* name, const Buffer* 
   op->peer = peer;
   op->tag_kind = tag_kind;
   op->tag = tag;
-  op->buffers.assign(buffers, buffers + count);
+  op->buffers.resize(count);
+  std::copy(buffers, buffers + count, op->buffers.begin());
   for (const Buffer& b : op->buffers) op->capacity += b.size;
   op->packing = (count > 1 && options_.packing == Packing::kIov) ? Packing::kIov : Packing::kParts;
   if (op->packing == Packing::kIov) {
@@ -271,8 +273,7 @@ std::shared_ptr<Op> Engine::post(Op::Kind kind, const char* name, const Buffer* 
                 std::string("commux ") + name + ": peer " + std::to_string(peer) + " is gone (" +
                     peer_reason_[static_cast<std::size_t>(peer)] + "); " + describe(*op));
   }
-  inflight_.emplace(op.get(), op);
-  inflight_count_.fetch_add(1);
+  register_locked(op);
   // An any-source receive in parts learns its sender from part 0, then posts the rest.
   const bool later_rest = kind == Op::Kind::kRecv && peer == kAnySource && nparts > 1;
   op->remaining = later_rest ? 1 : static_cast<int>(nparts);
@@ -365,6 +366,30 @@ void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
   }
 }
 
+void Engine::register_locked(const std::shared_ptr<Op>& op) {
+  op->self = op;
+  op->next = inflight_;
+  if (inflight_ != nullptr) inflight_->prev = op.get();
+  inflight_ = op.get();
+  inflight_count_.fetch_add(1);
+}
+
+std::shared_ptr<Op> Engine::unregister_locked(Op& op) {
+  if (!op.self) return nullptr;
+  if (op.prev != nullptr) op.prev->next = op.next;
+  if (op.next != nullptr) op.next->prev = op.prev;
+  if (inflight_ == &op) inflight_ = op.next;
+  op.prev = op.next = nullptr;
+  inflight_count_.fetch_sub(1);
+  return std::move(op.self);
+}
+
+std::vector<std::shared_ptr<Op>> Engine::inflight_snapshot_locked() const {
+  std::vector<std::shared_ptr<Op>> out;
+  for (Op* op = inflight_; op != nullptr; op = op->next) out.push_back(op->self);
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Completion (runs inside ucp_worker_progress or inline after posting; worker_mu_ held)
 
@@ -414,7 +439,7 @@ void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
             (op.packing == Packing::kIov ? "a packed one" : "separate parts") +
             ": COMMUX_COALESCE must have the same value on every rank and the buffer counts must "
             "match";
-        if (op.remaining > 1) to_cancel_.push_back(inflight_.at(&op));  // the rest never comes
+        if (op.remaining > 1) to_cancel_.push_back(op.self);  // the rest never comes
       }
     }
   } else if (status == UCS_OK) {
@@ -429,7 +454,7 @@ void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
   if (op.kind == Op::Kind::kRecv && op.peer == kAnySource && index == 0 && op.parts.size() > 1 &&
       status == UCS_OK && !op.has_override) {
     op.remaining += static_cast<int>(op.parts.size()) - 1;
-    deferred_.push_back(inflight_.at(&op));
+    deferred_.push_back(op.self);
   }
   if (--op.remaining == 0) finish_locked(op);
 }
@@ -449,13 +474,7 @@ void Engine::finish_locked(Op& op) {
     op.error = std::make_exception_ptr(error_from_status(op.status, std::string(op.name) + " " +
                                                                         describe(op)));
   }
-  auto it = inflight_.find(&op);
-  std::shared_ptr<Op> keep;
-  if (it != inflight_.end()) {
-    keep = std::move(it->second);
-    inflight_.erase(it);
-    inflight_count_.fetch_sub(1);
-  }
+  const std::shared_ptr<Op> keep = unregister_locked(op);  // keeps op alive to the end of this
   op.done.store(true);
   if (sleepers_.load() > 0) {
     { std::lock_guard<std::mutex> g(done_mu_); }
@@ -479,7 +498,7 @@ void Engine::fail_peer_locked(int peer, ucs_status_t status, const std::string& 
   peer_failed_at_[p] = Clock::now();
   peer_reason_[p] = reason;
   any_peer_failed_ = true;
-  for (auto& [ptr, op] : inflight_) {
+  for (Op* op = inflight_; op != nullptr; op = op->next) {
     if (op->kind == Op::Kind::kSend && op->peer == peer && !op->has_override) {
       op->has_override = true;
       op->override_code = Errc::kPeerFailed;
@@ -519,7 +538,7 @@ void Engine::reap_failed_peers_locked() {
   if (now < next_reap_) return;
   next_reap_ = now + std::chrono::milliseconds(10);
   std::vector<std::shared_ptr<Op>> victims;
-  for (auto& [ptr, op] : inflight_) {
+  for (Op* op = inflight_; op != nullptr; op = op->next) {
     if (op->kind != Op::Kind::kRecv || op->has_override) continue;
     const int from = op->peer != kAnySource ? op->peer : (op->remaining > 0 && op->parts.size() > 1 &&
                                                           op->parts[0].ucx_req == nullptr
@@ -527,7 +546,7 @@ void Engine::reap_failed_peers_locked() {
                                                               : kAnySource);
     if (from == kAnySource) continue;
     const auto p = static_cast<std::size_t>(from);
-    if (peer_status_[p] != UCS_OK && now - peer_failed_at_[p] >= kGrace) victims.push_back(op);
+    if (peer_status_[p] != UCS_OK && now - peer_failed_at_[p] >= kGrace) victims.push_back(op->self);
   }
   for (auto& op : victims) {
     const auto p = static_cast<std::size_t>(op->peer != kAnySource ? op->peer : op->source);
@@ -559,8 +578,8 @@ void Engine::kick() {
 }
 
 void Engine::progress_thread_main() {
-  // Polling mode backs off from 5 us to a cap while nothing happens, so the interval is about half
-  // the time since the last activity: responsive right after traffic, nearly free when idle.
+  // Polling mode backs off from 5 us to a cap while nothing happens: responsive right after
+  // traffic, nearly free when idle.
   constexpr auto kMinIdle = std::chrono::microseconds(5);
   auto idle = kMinIdle;
   auto next_check = Clock::now();
@@ -599,8 +618,11 @@ void Engine::progress_thread_main() {
       idle = kMinIdle;
       continue;
     }
+    // Grow by 1/4 per idle poll: the interval stays about a fifth of the time since the last
+    // activity, so a completion is noticed late by at most ~20% of the wait, and a long wait
+    // settles at the cap (1 ms while work is in flight, 20 ms otherwise).
     const auto cap = in_flight ? std::chrono::microseconds(1000) : std::chrono::microseconds(20000);
-    idle = std::min(idle * 2, std::chrono::duration_cast<std::chrono::microseconds>(cap));
+    idle = std::min(idle + idle / 4 + std::chrono::microseconds(1), cap);
     if (wait_for_kick(idle, -1)) idle = kMinIdle;
   }
 }
@@ -630,7 +652,12 @@ void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
   if (op.done.load()) return;
   const auto start = Clock::now();
   const auto deadline = start + timeout;
-  const auto spin_until = start + options_.spin;
+  // Spin at least options_.spin, and longer for large messages: while a rendezvous of N bytes
+  // is under way its completion is expected within about N / (2 GB/s), and sleeping through
+  // it would add the progress thread's poll interval to every large transfer.
+  const auto expected = std::chrono::microseconds(op.capacity / 2000);
+  const auto spin_until =
+      start + std::clamp<std::chrono::microseconds>(expected, options_.spin, kMaxSpin);
   spinners_.fetch_add(1);
   for (unsigned iter = 1; !op.done.load(); ++iter) {
     {
@@ -697,8 +724,7 @@ void Engine::shutdown() {
   std::lock_guard<std::mutex> lock(worker_mu_);
   if (shut_down_) return;
   const auto deadline = Clock::now() + options_.shutdown_timeout;
-  std::vector<std::shared_ptr<Op>> pending;
-  for (auto& [ptr, op] : inflight_) pending.push_back(op);
+  std::vector<std::shared_ptr<Op>> pending = inflight_snapshot_locked();
   for (auto& op : pending) {
     if (!op->has_override) {
       op->has_override = true;
@@ -743,8 +769,7 @@ void Engine::shutdown() {
     context_ = nullptr;
   }
   shut_down_ = true;
-  pending.clear();
-  for (auto& [ptr, op] : inflight_) pending.push_back(op);
+  pending = inflight_snapshot_locked();
   for (auto& op : pending) {
     if (op->status == UCS_OK) op->status = UCS_ERR_CANCELED;
     op->remaining = 0;

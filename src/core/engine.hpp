@@ -27,6 +27,32 @@ namespace commux::detail {
 
 class Engine;
 
+// A vector that keeps its first element inline: the common single-buffer operation then costs no
+// allocation besides its Op.
+template <typename T>
+class SmallVec {
+ public:
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  T* data() noexcept { return heap_ ? heap_.get() : &inline_; }
+  const T* data() const noexcept { return heap_ ? heap_.get() : &inline_; }
+  T& operator[](std::size_t i) noexcept { return data()[i]; }
+  const T& operator[](std::size_t i) const noexcept { return data()[i]; }
+  T* begin() noexcept { return data(); }
+  T* end() noexcept { return data() + size_; }
+  const T* begin() const noexcept { return data(); }
+  const T* end() const noexcept { return data() + size_; }
+  void resize(std::size_t n) {  // only on an empty SmallVec
+    if (n > 1) heap_.reset(new T[n]());
+    size_ = n;
+  }
+
+ private:
+  T inline_{};
+  std::unique_ptr<T[]> heap_;
+  std::size_t size_ = 0;
+};
+
 struct Part {
   struct Op* op = nullptr;
   std::uint32_t index = 0;
@@ -43,10 +69,14 @@ struct Op {
   std::uint32_t tag = 0;
   Packing packing = Packing::kParts;  // how this op travels (kIov only when > 1 buffer)
   std::size_t capacity = 0;         // total bytes of the posted buffers
-  std::vector<Buffer> buffers;      // the user's buffers (not owned)
+  SmallVec<Buffer> buffers;         // the user's buffers (not owned)
   std::vector<ucp_dt_iov_t> iov;    // IOV descriptors, alive until completion
-  std::vector<Part> parts;          // fixed size once posted (pointers into it go to UCX)
+  SmallVec<Part> parts;             // fixed size once posted (pointers into it go to UCX)
   std::shared_ptr<Engine> engine;
+  // [mu] While in flight the Op owns itself and sits in the engine's in-flight list.
+  std::shared_ptr<Op> self;
+  Op* prev = nullptr;
+  Op* next = nullptr;
 
   std::atomic<bool> done{false};
   // Written under the engine's worker_mu_ before `done` is set, read after it is seen set.
@@ -128,7 +158,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int wake_fd_ = -1;                                // eventfd that wakes the progress thread
 
   std::mutex worker_mu_;
-  std::unordered_map<Op*, std::shared_ptr<Op>> inflight_;  // [mu]
+  Op* inflight_ = nullptr;                          // [mu] intrusive list of in-flight ops
+  void register_locked(const std::shared_ptr<Op>& op);
+  std::shared_ptr<Op> unregister_locked(Op& op);
+  std::vector<std::shared_ptr<Op>> inflight_snapshot_locked() const;
   std::vector<std::shared_ptr<Op>> deferred_;       // [mu] any-source ops whose rest must post
   std::vector<std::shared_ptr<Op>> to_cancel_;      // [mu] ops whose other parts must be cancelled
   std::atomic<int> inflight_count_{0};
