@@ -650,6 +650,11 @@ bool Engine::test(Op& op) {
 
 void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
   if (op.done.load()) return;
+  {  // one progress call before anything else: most small messages complete here
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    progress_locked();
+  }
+  if (op.done.load()) return;
   const auto start = Clock::now();
   const auto deadline = start + timeout;
   // Spin at least options_.spin, and longer for large messages: while a rendezvous of N bytes

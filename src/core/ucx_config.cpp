@@ -3,16 +3,33 @@
 #include <cstdlib>
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <string>
 
 extern char** environ;
 
 namespace commux::detail {
 
+bool running_under_hypervisor() {
+  static const bool yes = [] {
+    std::ifstream in("/proc/cpuinfo");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("flags", 0) == 0) return (line + " ").find(" hypervisor ") != std::string::npos;
+    }
+    return false;
+  }();
+  return yes;
+}
+
 const std::vector<UcxDefault>& ucx_defaults() {
   static const std::vector<UcxDefault> table = {
       {"KEEPALIVE_INTERVAL", "1s",
-       "detect a dead peer on shared memory within seconds instead of UCX's 20 s"},
+       "detect a dead peer on another host within seconds instead of UCX's 20 s", nullptr},
+      {"TLS", "^cma",
+       "on virtual machines CMA (process_vm_readv) rendezvous runs at half the speed of UCX's "
+       "shared-memory pipeline (measured: 64 MiB in 19.4 ms with CMA, 10.4 ms without)",
+       &running_under_hypervisor},
   };
   return table;
 }
@@ -29,6 +46,7 @@ std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<st
   for (const auto& d : ucx_defaults()) {
     const std::string env = std::string("UCX_") + d.name;
     if (std::getenv(env.c_str()) != nullptr) continue;  // the user's setting wins
+    if (d.applies != nullptr && !d.applies()) continue;
     // An older UCX may not know a name: then the default simply does not apply.
     if (ucp_config_modify(config, d.name, d.value) == UCS_OK) {
       applied.push_back(std::string(d.name) + "=" + d.value);

@@ -12,7 +12,11 @@ struct UcxDefault {
   const char* name;   // UCX configuration name without the UCX_ prefix
   const char* value;
   const char* why;
+  bool (*applies)();  // nullptr: always
 };
+
+// True when the CPU reports running under a hypervisor (the "hypervisor" cpuinfo flag).
+bool running_under_hypervisor();
 
 // The table of defaults (documented in the README).
 const std::vector<UcxDefault>& ucx_defaults();
