@@ -21,7 +21,7 @@ run_ctest build-system
 
 if [ -f bench/run_bench.py ]; then
   echo "== benchmark smoke run (correctness checked; timings not judged)"
-  .venv/bin/python bench/run_bench.py --build build --quick
+  .venv/bin/python bench/run_bench.py build --quick --settle 0 --out results/p2p-smoke
 fi
 
 if [ -d python/tests ] || [ -d tests/python ]; then
