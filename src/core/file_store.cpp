@@ -13,6 +13,7 @@
 
 #include "commux/error.hpp"
 #include "commux/store.hpp"
+#include "store_wait.hpp"
 
 namespace commux {
 
@@ -82,22 +83,14 @@ bool FileStore::check(const std::string& key) {
 
 std::vector<std::uint8_t> FileStore::get(const std::string& key, std::chrono::milliseconds timeout) {
   const std::string path = path_of(key);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto backoff = std::chrono::microseconds(200);
-  for (;;) {
-    std::ifstream in(path, std::ios::binary);
-    if (in) {
-      return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(in),
-                                       std::istreambuf_iterator<char>());
-    }
-    if (std::chrono::steady_clock::now() >= deadline) {
-      throw Error(Errc::kTimeout, "commux FileStore: key '" + key + "' did not appear in '" +
-                                      dir_ + "' within " + std::to_string(timeout.count()) +
-                                      " ms (is every rank started, with the same store?)");
-    }
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2, std::chrono::microseconds(20000));
-  }
+  return detail::wait_for_key(key, timeout, "FileStore", "in '" + dir_ + "'",
+                              "(is every rank started, with the same store?)",
+                              [&]() -> std::optional<std::vector<std::uint8_t>> {
+                                std::ifstream in(path, std::ios::binary);
+                                if (!in) return std::nullopt;
+                                return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(in),
+                                                                 std::istreambuf_iterator<char>());
+                              });
 }
 
 }  // namespace commux

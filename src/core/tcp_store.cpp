@@ -18,6 +18,7 @@
 
 #include "commux/error.hpp"
 #include "commux/store.hpp"
+#include "store_wait.hpp"
 
 namespace commux {
 
@@ -210,20 +211,13 @@ bool TcpStore::check(const std::string& key) {
 }
 
 std::vector<std::uint8_t> TcpStore::get(const std::string& key, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto backoff = std::chrono::microseconds(200);
-  for (;;) {
-    bool found = false;
-    auto v = request(kGet, key, {}, &found);
-    if (found) return v;
-    if (std::chrono::steady_clock::now() >= deadline) {
-      throw Error(Errc::kTimeout, "commux TcpStore: key '" + key + "' did not appear at " +
-                                      where_ + " within " + std::to_string(timeout.count()) +
-                                      " ms (is every rank started?)");
-    }
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2, std::chrono::microseconds(20000));
-  }
+  return detail::wait_for_key(key, timeout, "TcpStore", "at " + where_, "(is every rank started?)",
+                              [&]() -> std::optional<std::vector<std::uint8_t>> {
+                                bool found = false;
+                                auto v = request(kGet, key, {}, &found);
+                                if (!found) return std::nullopt;
+                                return v;
+                              });
 }
 
 }  // namespace commux
