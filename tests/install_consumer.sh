@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# install_consumer.sh BUILD_DIR CMAKE: installs commux from BUILD_DIR into a temporary prefix,
+# builds tests/consumer against it with find_package(commux CONFIG), and runs it.
+set -euo pipefail
+build=$1 cmake=$2
+here=$(cd "$(dirname "$0")" && pwd)
+tmp=$(mktemp -d /tmp/commux-install-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+"$cmake" --install "$build" --prefix "$tmp/prefix" >/dev/null
+"$cmake" -S "$here/consumer" -B "$tmp/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" >/dev/null
+"$cmake" --build "$tmp/build" >/dev/null
+mkdir "$tmp/store"
+"$tmp/build/consumer" "$tmp/store"
