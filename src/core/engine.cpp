@@ -661,8 +661,8 @@ void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
   // is under way its completion is expected within about N / (2 GB/s), and sleeping through
   // it would add the progress thread's poll interval to every large transfer.
   const auto expected = std::chrono::microseconds(op.capacity / 2000);
-  const auto spin_until =
-      start + std::clamp<std::chrono::microseconds>(expected, options_.spin, kMaxSpin);
+  const auto spin_until = std::min(
+      deadline, start + std::clamp<std::chrono::microseconds>(expected, options_.spin, kMaxSpin));
   spinners_.fetch_add(1);
   for (unsigned iter = 1; !op.done.load(); ++iter) {
     {
