@@ -176,6 +176,12 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server,
   }
   const int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A store that stops answering fails the request after `timeout` instead of hanging it.
+  const auto secs = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  timeval tv{static_cast<time_t>(secs.count()),
+             static_cast<suseconds_t>((timeout - secs).count() * 1000)};
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
 TcpStore::~TcpStore() {
@@ -193,7 +199,7 @@ std::vector<std::uint8_t> TcpStore::request(std::uint8_t op, const std::string& 
                   read_all(fd_, &f, 1) && (!(f && op == kGet) || read_blob(fd_, &out));
   if (!ok) {
     throw Error(Errc::kPeerFailed, "commux TcpStore: lost the connection to the store at " +
-                                       where_ + " (key '" + key + "')");
+                                       where_ + ", or it stopped answering (key '" + key + "')");
   }
   *found = f != 0;
   return out;
