@@ -1,4 +1,4 @@
-// Unit tests without a network: the tag layout and the file store.
+// Unit tests without a network (TcpStore uses loopback only): the tag layout and the stores.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -139,5 +139,40 @@ TEST_F(FileStoreTest, GetWaitsThenTimesOut) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::kTimeout);
     EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TcpStoreTest, ServerAndClientSeeEachOther) {
+  const int port = 30000 + static_cast<int>(::getpid() % 20000);
+  TcpStore server("127.0.0.1", port, /*is_server=*/true, std::chrono::seconds(5));
+  TcpStore client("127.0.0.1", port, /*is_server=*/false, std::chrono::seconds(5));
+  EXPECT_FALSE(client.check("k"));
+  server.set("k", {4, 5});
+  EXPECT_TRUE(client.check("k"));
+  EXPECT_EQ(client.get("k", std::chrono::milliseconds(10)), (std::vector<std::uint8_t>{4, 5}));
+  client.set("empty", {});
+  EXPECT_TRUE(server.get("empty", std::chrono::milliseconds(10)).empty());
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    server.set("late", {1});
+  });
+  EXPECT_EQ(client.get("late", std::chrono::seconds(5)), (std::vector<std::uint8_t>{1}));
+  late.join();
+  try {
+    client.get("never", std::chrono::milliseconds(30));
+    FAIL() << "no timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kTimeout);
+    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TcpStoreTest, NoServerIsATimeoutNamingTheAddress) {
+  try {
+    TcpStore client("127.0.0.1", 1, /*is_server=*/false, std::chrono::milliseconds(100));
+    FAIL() << "connected to port 1";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kTimeout);
+    EXPECT_NE(std::string(e.what()).find("127.0.0.1:1"), std::string::npos) << e.what();
   }
 }
