@@ -100,6 +100,24 @@ TEST(Tag, ReceiveMatching) {
   EXPECT_EQ(parse_tag(from5).sender, 5);
 }
 
+// Shared by both stores: get() waits for a key another party sets later, and a key that never
+// appears is a kTimeout naming the key.
+void check_get_waits_then_times_out(Store& reader, Store& writer) {
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    writer.set("late", {7});
+  });
+  EXPECT_EQ(reader.get("late", std::chrono::seconds(5)), (std::vector<std::uint8_t>{7}));
+  late.join();
+  try {
+    reader.get("never", std::chrono::milliseconds(30));
+    FAIL() << "no timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kTimeout);
+    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+  }
+}
+
 class FileStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -126,20 +144,8 @@ TEST_F(FileStoreTest, SetGetCheck) {
 }
 
 TEST_F(FileStoreTest, GetWaitsThenTimesOut) {
-  FileStore s(dir_);
-  std::thread writer([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    FileStore(dir_).set("late", {7});
-  });
-  EXPECT_EQ(s.get("late", std::chrono::seconds(5)), (std::vector<std::uint8_t>{7}));
-  writer.join();
-  try {
-    s.get("never", std::chrono::milliseconds(30));
-    FAIL() << "no timeout";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Errc::kTimeout);
-    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
-  }
+  FileStore reader(dir_), writer(dir_);
+  check_get_waits_then_times_out(reader, writer);
 }
 
 TEST(TcpStoreTest, ServerAndClientSeeEachOther) {
@@ -152,19 +158,7 @@ TEST(TcpStoreTest, ServerAndClientSeeEachOther) {
   EXPECT_EQ(client.get("k", std::chrono::milliseconds(10)), (std::vector<std::uint8_t>{4, 5}));
   client.set("empty", {});
   EXPECT_TRUE(server.get("empty", std::chrono::milliseconds(10)).empty());
-  std::thread late([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    server.set("late", {1});
-  });
-  EXPECT_EQ(client.get("late", std::chrono::seconds(5)), (std::vector<std::uint8_t>{1}));
-  late.join();
-  try {
-    client.get("never", std::chrono::milliseconds(30));
-    FAIL() << "no timeout";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Errc::kTimeout);
-    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
-  }
+  check_get_waits_then_times_out(client, server);
 }
 
 TEST(TcpStoreTest, NoServerIsATimeoutNamingTheAddress) {
