@@ -1,0 +1,95 @@
+// commux/collectives.hpp -- torch-free collectives over a Communicator's internal point-to-point.
+//
+// Every function here is blocking: it posts internal (TagKind::kInternal) sends and receives with
+// the caller-chosen `Context::tag`, waits for them with `Context::deadline`, and returns when this
+// rank's part is complete. Callers that want asynchrony (the torch backend) run them on a worker
+// thread. All ranks must call the same collective, with the same tag and consistent arguments, in
+// the same order; distinct collectives in flight at once must use distinct tags.
+//
+// Failure: a timeout, a dead peer or inconsistent sizes throw commux::Error whose message starts
+// with "commux <Context::op_name>:" and names the peer where one is known. Before throwing, every
+// request the collective still has posted is cancelled and completed, so neither user buffers nor
+// scratch memory are touched after the function returns or throws.
+//
+// Ownership: the caller owns every buffer passed in for the duration of the call; scratch memory is
+// allocated (host memory) and freed inside. Buffers live in `Context::mem` memory.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+#include "commux/communicator.hpp"
+
+namespace commux {
+
+enum class DataType : std::uint8_t {
+  kFloat32, kFloat64, kFloat16, kBFloat16,
+  kInt8, kInt16, kInt32, kInt64, kUInt8, kBool,
+  kComplex64, kComplex128,
+};
+
+// Reductions the kernels apply element-wise (dst = dst OP src). AVG and PREMUL_SUM are built above
+// this layer from kSum plus scale(). On bool: SUM and MAX are logical or, PRODUCT and MIN logical
+// and (as NCCL does). MIN/MAX are not defined for complex; BAND/BOR/BXOR only for integers and bool.
+enum class ReduceOp : std::uint8_t { kSum, kProduct, kMin, kMax, kBand, kBor, kBxor };
+
+std::size_t dtype_size(DataType t) noexcept;
+const char* dtype_name(DataType t) noexcept;
+const char* reduce_op_name(ReduceOp op) noexcept;
+bool is_floating(DataType t) noexcept;   // float16/bfloat16/float32/float64
+bool is_complex(DataType t) noexcept;
+
+// Throws Error(kInvalidArgument, "commux <op_name>: ReduceOp MIN is not defined for complex64 ...")
+// when the kernels cannot apply `op` to `t`.
+void check_reduction(const char* op_name, DataType t, ReduceOp op);
+
+// dst[i] = dst[i] OP src[i] for i < count (host memory). float16/bfloat16 compute in float and
+// round to nearest even, like torch.
+void reduce_into(void* dst, const void* src, std::size_t count, DataType t, ReduceOp op);
+// out[i] = a[i] OP b[i] (out may alias a or b).
+void reduce_into(void* out, const void* a, const void* b, std::size_t count, DataType t, ReduceOp op);
+// buf[i] *= factor (floating and complex types only; AVG divides, PREMUL_SUM pre-scales).
+void scale(void* buf, std::size_t count, DataType t, double factor);
+
+namespace coll {
+
+struct Context {
+  Communicator* comm = nullptr;
+  std::uint32_t tag = 0;  // identifies this collective instance; equal on every rank
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  MemoryType mem = MemoryType::kHost;
+  const char* op_name = "collective";  // used in error messages: "commux allreduce: ..."
+};
+
+void barrier(const Context& ctx);
+// `bytes` from root's buf to every rank's buf.
+void broadcast(const Context& ctx, void* buf, std::size_t bytes, int root);
+// In place: every rank's buf ends as the reduction of all ranks' bufs.
+void allreduce(const Context& ctx, void* buf, std::size_t count, DataType t, ReduceOp op);
+// Root's buf ends as the reduction; other ranks' bufs are left unspecified (used as scratch).
+void reduce(const Context& ctx, void* buf, std::size_t count, DataType t, ReduceOp op, int root);
+// out (size * bytes) = concatenation of every rank's `in` (bytes each), in rank order.
+// `in` may alias out + rank * bytes.
+void allgather(const Context& ctx, const void* in, std::size_t bytes, void* out);
+// Variable sizes: rank r contributes counts[r] bytes placed at out + displs[r].
+void allgatherv(const Context& ctx, const void* in, void* out, const std::size_t* counts,
+                const std::size_t* displs);
+// On root: out (size * bytes) = every rank's `in` in rank order. `out` unused elsewhere.
+void gather(const Context& ctx, const void* in, std::size_t bytes, void* out, int root);
+// Root's `in` (size * bytes): rank r receives bytes at in + r * bytes into out.
+void scatter(const Context& ctx, const void* in, void* out, std::size_t bytes, int root);
+// `in` holds sum(counts) elements; rank r ends with the reduction of block r (counts[r] elements,
+// at element offset sum(counts[0..r))) in `out`. `in` is not modified.
+void reduce_scatter(const Context& ctx, const void* in, void* out, const std::size_t* counts,
+                    DataType t, ReduceOp op);
+// Personalized exchange in bytes: send_counts[p] bytes at in + send_displs[p] go to rank p, which
+// receives them into out + recv_displs[me] (recv_counts[me] bytes). Every pair exchanges a message
+// (zero bytes too), so ranks whose split sizes disagree fail with a message naming the peer and
+// both sizes instead of hanging.
+void alltoallv(const Context& ctx, const void* in, const std::size_t* send_counts,
+               const std::size_t* send_displs, void* out, const std::size_t* recv_counts,
+               const std::size_t* recv_displs);
+
+}  // namespace coll
+}  // namespace commux

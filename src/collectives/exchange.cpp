@@ -1,0 +1,268 @@
+#include "exchange.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+namespace commux::coll::detail {
+
+namespace {
+
+// How long a failing collective waits for its cancelled requests, all together.
+constexpr std::chrono::milliseconds kCancelBound{1000};
+
+// Requests that did not finish even after cancel(), with the scratch they may still touch. Kept
+// until they complete; checked whenever a collective starts. Never destroyed (no work at exit).
+struct Parked {
+  std::vector<Request> reqs;
+  std::vector<std::unique_ptr<char[]>> scratch;
+};
+
+// Per-thread cache of scratch buffers: at most kPoolBytes in all, none larger than that.
+constexpr std::size_t kPoolBytes = std::size_t{64} << 20;
+
+struct Pool {
+  std::vector<std::pair<std::size_t, std::unique_ptr<char[]>>> bufs;  // (size, memory)
+  std::size_t total = 0;
+
+  // The smallest cached buffer of at least `bytes`, or a new one.
+  std::pair<std::size_t, std::unique_ptr<char[]>> take(std::size_t bytes) {
+    std::size_t best = bufs.size();
+    for (std::size_t i = 0; i < bufs.size(); ++i) {
+      if (bufs[i].first >= bytes && (best == bufs.size() || bufs[i].first < bufs[best].first)) best = i;
+    }
+    if (best == bufs.size()) {
+      return {bytes, std::unique_ptr<char[]>(new char[std::max<std::size_t>(bytes, 1)])};
+    }
+    auto b = std::move(bufs[best]);
+    bufs.erase(bufs.begin() + static_cast<std::ptrdiff_t>(best));
+    total -= b.first;
+    return b;
+  }
+
+  // Keeps the buffer if it fits, evicting the smallest cached ones to make room.
+  void give(std::size_t size, std::unique_ptr<char[]> data) {
+    if (size > kPoolBytes || size == 0) return;
+    std::sort(bufs.begin(), bufs.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    while (total + size > kPoolBytes && !bufs.empty()) {
+      total -= bufs.front().first;
+      bufs.erase(bufs.begin());
+    }
+    bufs.emplace_back(size, std::move(data));
+    total += size;
+  }
+};
+
+Pool& pool() {
+  thread_local Pool p;
+  return p;
+}
+
+struct ParkingLot {
+  std::mutex mu;
+  std::vector<Parked> lots;
+};
+
+ParkingLot& parking() {
+  static ParkingLot* lot = new ParkingLot;  // intentionally leaked
+  return *lot;
+}
+
+void reap_parked() {
+  ParkingLot& p = parking();
+  std::lock_guard<std::mutex> g(p.mu);
+  if (p.lots.empty()) return;
+  p.lots.erase(std::remove_if(p.lots.begin(), p.lots.end(),
+                              [](const Parked& x) {
+                                return std::all_of(x.reqs.begin(), x.reqs.end(),
+                                                   [](const Request& r) { return r.done(); });
+                              }),
+               p.lots.end());
+}
+
+const char* op_or_default(const char* op) { return op != nullptr && *op != '\0' ? op : "collective"; }
+
+// "commux recv: timed out ... ; the operation is still posted: wait again or cancel it" ->
+// "recv: timed out ..." (the collective cancels it, and adds its own prefix).
+std::string inner_message(const char* what) {
+  std::string s = what;
+  const std::string prefix = "commux ";
+  if (s.compare(0, prefix.size(), prefix) == 0) s.erase(0, prefix.size());
+  const std::string tail = "; the operation is still posted: wait again or cancel it";
+  const auto at = s.rfind(tail);
+  if (at != std::string::npos && at + tail.size() == s.size()) s.erase(at);
+  return s;
+}
+
+}  // namespace
+
+Exchange::Exchange(const Context& ctx) : ctx_(ctx), comm_(ctx.comm) {
+  ctx_.op_name = op_or_default(ctx.op_name);
+  if (comm_ == nullptr) invalid(ctx_, "Context::comm is null");
+  rank_ = comm_->rank();
+  size_ = comm_->size();
+  const auto now = Clock::now();
+  if (ctx.deadline == Clock::time_point::max()) {
+    deadline_ = now + comm_->options().timeout;
+  } else {
+    deadline_ = ctx.deadline;
+  }
+  reap_parked();
+}
+
+Exchange::~Exchange() {
+  abort();
+  for (auto& sc : scratch_) pool().give(sc.size, std::move(sc.data));
+}
+
+void Exchange::invalid(const Context& ctx, const std::string& what) {
+  throw Error(Errc::kInvalidArgument, std::string("commux ") + op_or_default(ctx.op_name) + ": " + what);
+}
+
+std::chrono::milliseconds Exchange::remaining() const {
+  const auto left = deadline_ - Clock::now();
+  if (left <= Clock::duration::zero()) return std::chrono::milliseconds(0);
+  return std::chrono::ceil<std::chrono::milliseconds>(left);
+}
+
+std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, MemoryType mem) {
+  const Buffer b{const_cast<void*>(data), bytes, mem};
+  try {
+    // Fast completion: the collectives wait for their sends at once; UCX applies it only to
+    // messages below its eager threshold, large ones stay zero-copy rendezvous.
+    reqs_.push_back(comm_->post_send(&b, 1, peer, TagKind::kInternal, ctx_.tag, true));
+  } catch (const Error& e) {
+    rethrow(e);
+  }
+  return reqs_.size() - 1;
+}
+
+std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType mem) {
+  const Buffer b{data, bytes, mem};
+  try {
+    reqs_.push_back(comm_->post_recv(&b, 1, peer, TagKind::kInternal, ctx_.tag));
+  } catch (const Error& e) {
+    rethrow(e);
+  }
+  return reqs_.size() - 1;
+}
+
+void Exchange::wait(std::size_t id) {
+  try {
+    reqs_[id].wait(remaining());
+  } catch (const Error& e) {
+    rethrow(e);
+  }
+  // Requests before first_open_ are complete and were waited for (their errors seen).
+  waited_.resize(reqs_.size(), false);
+  waited_[id] = true;
+  while (first_open_ < reqs_.size() && waited_[first_open_]) ++first_open_;
+}
+
+void Exchange::wait_all() {
+  for (std::size_t i = first_open_; i < reqs_.size(); ++i) {
+    if (i < waited_.size() && waited_[i]) continue;
+    wait(i);
+  }
+}
+
+std::size_t Exchange::bytes(std::size_t id) const { return reqs_[id].bytes(); }
+
+char* Exchange::scratch(std::size_t bytes) {
+  auto b = pool().take(bytes);
+  scratch_.push_back(Scratch{std::move(b.second), b.first});
+  return scratch_.back().data.get();
+}
+
+void Exchange::copy(void* dst, MemoryType dst_mem, const void* src, MemoryType src_mem,
+                    std::size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  if (dst_mem == MemoryType::kHost && src_mem == MemoryType::kHost) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+  const std::size_t r = recv(dst, bytes, rank_, dst_mem);
+  const std::size_t s = send(src, bytes, rank_, src_mem);
+  wait(r);
+  wait(s);
+}
+
+std::string Exchange::cleanup_note() const {
+  if (stuck_ == 0) return "";
+  return "; " + std::to_string(stuck_) + " of its requests did not finish after cancel() and stay "
+         "posted (a rendezvous send to a peer that never received it): the communicator should be "
+         "shut down before the buffers are freed";
+}
+
+void Exchange::fail(Errc code, const std::string& what) {
+  abort();
+  std::string msg = std::string("commux ") + ctx_.op_name + ": " + what;
+  if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
+  throw Error(code, msg + cleanup_note());
+}
+
+void Exchange::rethrow(const Error& e) {
+  abort();
+  std::string msg = std::string("commux ") + ctx_.op_name + ": " + inner_message(e.what());
+  if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
+  if (e.code() == Errc::kTimeout && stuck_ == 0) msg += "; the collective's requests were cancelled";
+  if (e.code() == Errc::kTruncated) msg += "; the ranks' sizes disagree";
+  throw Error(e.code(), msg + cleanup_note());
+}
+
+void Exchange::abort() noexcept {
+  bool any = false;
+  for (std::size_t i = first_open_; i < reqs_.size(); ++i) {
+    Request& r = reqs_[i];
+    if (!r.valid() || r.done()) continue;
+    any = true;
+    try {
+      r.cancel();
+    } catch (...) {
+    }
+  }
+  if (!any) return;
+  const auto bound = Clock::now() + kCancelBound;
+  std::vector<Request> stuck;
+  for (std::size_t i = first_open_; i < reqs_.size(); ++i) {
+    Request& r = reqs_[i];
+    if (!r.valid() || r.done()) continue;
+    const auto left = bound - Clock::now();
+    try {
+      r.wait(std::max(std::chrono::milliseconds(0),
+                      std::chrono::ceil<std::chrono::milliseconds>(left)));
+    } catch (...) {
+    }
+    if (!r.done()) stuck.push_back(r);
+  }
+  first_open_ = reqs_.size();
+  stuck_ += stuck.size();
+  if (stuck.empty()) return;
+  try {
+    ParkingLot& p = parking();
+    std::lock_guard<std::mutex> g(p.mu);
+    p.lots.emplace_back();  // what may throw comes before anything is moved
+    Parked& parked = p.lots.back();
+    parked.scratch.reserve(scratch_.size());
+    parked.reqs = std::move(stuck);
+    for (auto& sc : scratch_) parked.scratch.push_back(std::move(sc.data));
+  } catch (...) {
+    // Out of memory while parking: leak the scratch rather than free memory still in use.
+    for (auto& sc : scratch_) static_cast<void>(sc.data.release());
+  }
+  scratch_.clear();
+}
+
+HostStage::HostStage(Exchange& ex, void* user, std::size_t bytes, bool load)
+    : ex_(ex), user_(user), bytes_(bytes), host_(static_cast<char*>(user)) {
+  if (ex.mem() == MemoryType::kHost) return;
+  host_ = ex.scratch(bytes);
+  if (load) ex.copy(host_, MemoryType::kHost, user_, ex.mem(), bytes_);
+}
+
+void HostStage::store() {
+  if (ex_.mem() == MemoryType::kHost) return;
+  ex_.copy(user_, ex_.mem(), host_, MemoryType::kHost, bytes_);
+}
+
+}  // namespace commux::coll::detail

@@ -1,0 +1,111 @@
+// The requests and scratch memory of one collective call.
+//
+// Every send and receive a collective posts goes through an Exchange, which
+//   * posts it as internal traffic with the collective's tag (post errors are rewrapped),
+//   * waits for it with the time left until the collective's deadline,
+//   * rewraps any commux::Error as "commux <op_name>: ..." with the same code,
+//   * on any failure (and in its destructor) cancels every request still outstanding and waits
+//     for them with a short bound, so nothing writes into the caller's buffers or the scratch
+//     after the collective returns or throws. A request that does not finish even then is parked,
+//     with the scratch memory, in a process-wide list that is emptied once they complete.
+//
+// No UCX here: only Communicator::post_send/post_recv and Request.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commux/collectives.hpp"
+
+namespace commux::coll::detail {
+
+using Clock = std::chrono::steady_clock;
+
+class Exchange {
+ public:
+  // Validates ctx (a communicator is required) and resolves the deadline: a deadline of
+  // time_point::max() means the communicator's default timeout from now.
+  explicit Exchange(const Context& ctx);
+  ~Exchange();
+  Exchange(const Exchange&) = delete;
+  Exchange& operator=(const Exchange&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  MemoryType mem() const { return ctx_.mem; }
+  const char* op() const { return ctx_.op_name; }
+
+  // Names the algorithm step in error messages ("ring reduce-scatter"), until the next call.
+  void phase(const char* what) { phase_ = what; }
+
+  // Posts a message; returns an id for wait()/bytes(). `mem` is the memory type of `data`.
+  std::size_t send(const void* data, std::size_t bytes, int peer, MemoryType mem);
+  std::size_t recv(void* data, std::size_t bytes, int peer, MemoryType mem);
+  // Convenience: user memory (ctx.mem) and host scratch.
+  std::size_t send_user(const void* d, std::size_t b, int peer) { return send(d, b, peer, ctx_.mem); }
+  std::size_t recv_user(void* d, std::size_t b, int peer) { return recv(d, b, peer, ctx_.mem); }
+  std::size_t send_host(const void* d, std::size_t b, int peer) { return send(d, b, peer, MemoryType::kHost); }
+  std::size_t recv_host(void* d, std::size_t b, int peer) { return recv(d, b, peer, MemoryType::kHost); }
+
+  void wait(std::size_t id);
+  void wait_all();  // every request posted so far
+  // Bytes a completed receive got (call after wait(id)).
+  std::size_t bytes(std::size_t id) const;
+
+  // Host scratch that lives as long as this Exchange (or longer if a request is parked). Buffers
+  // come from a small per-thread cache, so that repeated large collectives do not pay page faults
+  // on fresh memory every time; they go back to it when the Exchange ends cleanly.
+  char* scratch(std::size_t bytes);
+
+  // Copies `bytes` between two buffers of possibly different memory types: memcpy/memmove for
+  // host memory, a message to this rank itself otherwise (UCX moves device memory).
+  void copy(void* dst, MemoryType dst_mem, const void* src, MemoryType src_mem, std::size_t bytes);
+
+  // Cancels what is outstanding and throws Error(code, "commux <op>: " + what).
+  [[noreturn]] void fail(Errc code, const std::string& what);
+
+  // Throws Error(kInvalidArgument, "commux <op>: " + what) before anything was posted.
+  [[noreturn]] static void invalid(const Context& ctx, const std::string& what);
+
+ private:
+  std::chrono::milliseconds remaining() const;
+  [[noreturn]] void rethrow(const Error& e);
+  void abort() noexcept;
+  std::string cleanup_note() const;
+
+  Context ctx_;
+  Communicator* comm_;
+  int rank_;
+  int size_;
+  Clock::time_point deadline_;
+  const char* phase_ = nullptr;
+  std::vector<Request> reqs_;
+  std::vector<bool> waited_;    // waited for successfully (its outcome has been seen)
+  std::size_t first_open_ = 0;  // every request before this index has been waited for
+  std::size_t stuck_ = 0;       // requests abort() had to park
+  struct Scratch {
+    std::unique_ptr<char[]> data;
+    std::size_t size = 0;
+  };
+  std::vector<Scratch> scratch_;
+};
+
+// Host view of a user buffer for the reductions: the buffer itself in host memory, else a host
+// copy (staged in at construction when `load`, written back by store()).
+class HostStage {
+ public:
+  HostStage(Exchange& ex, void* user, std::size_t bytes, bool load);
+  char* data() const { return host_; }
+  void store();  // copies the host view back to the user buffer (no-op for host memory)
+
+ private:
+  Exchange& ex_;
+  void* user_;
+  std::size_t bytes_;
+  char* host_;
+};
+
+}  // namespace commux::coll::detail

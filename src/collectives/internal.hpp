@@ -1,0 +1,51 @@
+// Pieces shared by several collectives (internal to src/collectives).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+
+#include "exchange.hpp"
+
+namespace commux::coll::detail {
+
+// Broadcast switches from the binomial tree to scatter + ring allgather at this size (and 3+ ranks).
+inline constexpr std::size_t kBroadcastScatterBytes = std::size_t{512} << 10;
+// Allreduce uses recursive doubling below this many bytes (or with fewer elements than ranks),
+// the halves exchange (2 ranks) or ring reduce-scatter + allgather at and above it.
+inline constexpr std::size_t kAllreduceSmallBytes = std::size_t{64} << 10;
+
+// Large messages are cut into chunks of about this size where an algorithm pipelines (the 2-rank
+// halves exchange, reduce): the next chunk travels while the previous one is reduced, and
+// scratch memory stays small and in cache.
+inline constexpr std::size_t kPipelineChunkBytes = std::size_t{1} << 20;
+
+// Number of pipeline chunks for `bytes` (at least 1).
+inline int pipeline_chunks(std::size_t bytes) {
+  return static_cast<int>(std::max<std::size_t>(1, (bytes + kPipelineChunkBytes - 1) / kPipelineChunkBytes));
+}
+
+// Ring allgather over one buffer: rank r already holds bytes [displs[r], displs[r] + counts[r])
+// of `base` and ends with every rank's part (counts and displacements in bytes). Receives are
+// checked against counts. `mem` is the memory type of `base`.
+void ring_allgather(Exchange& ex, char* base, const std::size_t* counts, const std::size_t* displs,
+                    MemoryType mem);
+
+// "peer 3 sent 12 bytes but 16 were expected (counts disagree between ranks)"
+std::string size_mismatch(int peer, std::size_t got, std::size_t expected, const char* what);
+
+inline void check_root(const Context& ctx, int root, int size) {
+  if (root < 0 || root >= size) {
+    Exchange::invalid(ctx, "root " + std::to_string(root) + " is outside 0.." +
+                               std::to_string(size - 1));
+  }
+}
+
+inline void check_ptr(const Context& ctx, const void* p, std::size_t bytes, const char* name) {
+  if (p == nullptr && bytes > 0) {
+    Exchange::invalid(ctx, std::string(name) + " is null but " + std::to_string(bytes) +
+                               " bytes were asked for");
+  }
+}
+
+}  // namespace commux::coll::detail

@@ -1,0 +1,613 @@
+// The collectives (include/commux/collectives.hpp) end to end.
+//
+// Worlds of 1, 2, 3, 4, 5 and 8 ranks run as threads of this one process (one Communicator per
+// thread over a shared FileStore in a fresh directory) and go through every collective with
+// counts 0, 1, 7, counts not divisible by the world size and, for a couple of sizes, a large one
+// (1M floats), roots other than 0, uneven allgatherv / reduce_scatter / alltoallv counts with
+// zeros. Inputs are integer-valued floats, so sums are exact and compared exactly; results that
+// depend on the order of float additions are compared bitwise across ranks.
+//
+// Forked processes (tests/harness.hpp) cover what threads cannot: a rank that never joins an
+// allreduce (the others time out, or see it fail when it exits, with "commux allreduce" in the
+// message), and alltoallv splits that disagree (both ranks fail, naming the peer).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <complex>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commux/collectives.hpp"
+#include "harness.hpp"
+
+using namespace commux;
+using namespace commux::test;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// ---- a world of ranks as threads ------------------------------------------------------------
+
+// Results that must be bitwise identical on every rank, keyed by a name, collected across threads.
+class Snapshots {
+ public:
+  explicit Snapshots(int n) : n_(n) {}
+  void put(const std::string& key, int rank, const void* data, std::size_t bytes) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& v = map_[key];
+    v.resize(static_cast<std::size_t>(n_));
+    const auto* p = static_cast<const unsigned char*>(data);
+    v[static_cast<std::size_t>(rank)].assign(p, p + bytes);
+  }
+  void check() const {
+    for (const auto& [key, v] : map_) {
+      for (std::size_t r = 1; r < v.size(); ++r) {
+        EXPECT_EQ(v[r], v[0]) << key << ": rank " << r << " differs from rank 0";
+      }
+    }
+  }
+  std::size_t size() const { return map_.size(); }
+
+ private:
+  int n_;
+  std::mutex mu_;
+  std::map<std::string, std::vector<std::vector<unsigned char>>> map_;
+};
+
+struct Rank {
+  Communicator& comm;
+  Snapshots& snaps;
+  MemoryType mem = MemoryType::kHost;
+  std::uint32_t next_tag = 1;
+  int r() const { return comm.rank(); }
+  int n() const { return comm.size(); }
+  coll::Context ctx(const char* op) {
+    coll::Context c;
+    c.comm = &comm;
+    c.tag = next_tag++;
+    c.deadline = Clock::now() + std::chrono::seconds(30);
+    c.op_name = op;
+    c.mem = mem;
+    return c;
+  }
+};
+
+void run_world(int n, const std::function<void(Rank&)>& body, MemoryType mem = MemoryType::kHost) {
+  const std::string dir = [] {
+    char tmpl[] = "/tmp/commux-coll-XXXXXX";
+    const char* d = ::mkdtemp(tmpl);
+    if (d == nullptr) throw std::runtime_error("mkdtemp failed");
+    return std::string(d);
+  }();
+  auto store = std::make_shared<FileStore>(dir);
+  Snapshots snaps(n);
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        Communicator comm(store, r, n, default_test_options());
+        Rank rank{comm, snaps, mem};
+        body(rank);
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r << " of " << n;
+  }
+  snaps.check();
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+// Integer-valued contribution of rank r to element i, in -5..5.
+float val(int r, std::size_t i) { return static_cast<float>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 11) - 5); }
+
+std::vector<float> contribution(int r, std::size_t count) {
+  std::vector<float> v(count);
+  for (std::size_t i = 0; i < count; ++i) v[i] = val(r, i);
+  return v;
+}
+
+template <class T>
+void check_eq(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  CX_CHECK_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!(got[i] == want[i])) {
+      check_failed(__FILE__, __LINE__, what + ": element " + std::to_string(i) + " is " +
+                                           std::to_string(static_cast<double>(got[i])) +
+                                           ", expected " + std::to_string(static_cast<double>(want[i])));
+    }
+  }
+}
+
+std::vector<unsigned char> bytes_of(int r, std::size_t n, std::uint64_t salt) {
+  std::vector<unsigned char> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = pattern(static_cast<std::uint64_t>(r) * 1000 + salt, i);
+  return v;
+}
+
+std::string tag(const char* what, std::size_t count, int root = -1) {
+  return std::string(what) + " count " + std::to_string(count) + (root >= 0 ? " root " + std::to_string(root) : "");
+}
+
+std::vector<std::size_t> counts_for(int n, std::size_t base) {
+  std::vector<std::size_t> c;
+  for (std::size_t p = 0; p < static_cast<std::size_t>(n); ++p) c.push_back(base);
+  return c;
+}
+
+// ---- the checks, per collective --------------------------------------------------------------
+
+void check_barrier(Rank& k) {
+  for (int i = 0; i < 3; ++i) coll::barrier(k.ctx("barrier"));
+}
+
+void check_broadcast(Rank& k, std::size_t bytes, int root) {
+  std::vector<unsigned char> buf = k.r() == root ? bytes_of(root, bytes, 1) : std::vector<unsigned char>(bytes, 0xEE);
+  coll::broadcast(k.ctx("broadcast"), buf.data(), bytes, root);
+  if (buf != bytes_of(root, bytes, 1)) check_failed(__FILE__, __LINE__, tag("broadcast", bytes, root) + ": wrong data");
+}
+
+void check_allreduce_sum(Rank& k, std::size_t count) {
+  std::vector<float> buf = contribution(k.r(), count), want(count, 0.0f);
+  for (int p = 0; p < k.n(); ++p) {
+    for (std::size_t i = 0; i < count; ++i) want[i] += val(p, i);
+  }
+  coll::allreduce(k.ctx("allreduce"), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+  check_eq(buf, want, tag("allreduce float32 SUM", count));
+  k.snaps.put(tag("allreduce float32 SUM", count), k.r(), buf.data(), count * sizeof(float));
+}
+
+// Float sums in an order-dependent way: the values differ but must be the same on all ranks.
+void check_allreduce_identical(Rank& k, std::size_t count) {
+  std::mt19937 g(static_cast<unsigned>(1000 + k.r()));
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> buf(count);
+  for (auto& x : buf) x = d(g) * 1e-3f + (static_cast<float>(k.r()) * 1e3f);
+  coll::allreduce(k.ctx("allreduce"), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+  k.snaps.put(tag("allreduce random float32 SUM", count), k.r(), buf.data(), count * sizeof(float));
+  std::vector<double> h(count);
+  for (std::size_t i = 0; i < count; ++i) h[i] = d(g) * 1e10 + i;
+  coll::allreduce(k.ctx("allreduce"), h.data(), count, DataType::kFloat64, ReduceOp::kProduct);
+  k.snaps.put(tag("allreduce random float64 PRODUCT", count), k.r(), h.data(), count * sizeof(double));
+}
+
+void check_allreduce_types(Rank& k, std::size_t count) {
+  const int n = k.n(), r = k.r();
+  {  // int32 MAX and MIN
+    std::vector<std::int32_t> mx(count), mn(count), wmx(count, INT32_MIN), wmn(count, INT32_MAX);
+    for (std::size_t i = 0; i < count; ++i) {
+      mx[i] = mn[i] = static_cast<std::int32_t>((r * 31 + static_cast<int>(i) * 17) % 23) - 11;
+      for (int p = 0; p < n; ++p) {
+        const std::int32_t v = static_cast<std::int32_t>((p * 31 + static_cast<int>(i) * 17) % 23) - 11;
+        wmx[i] = std::max(wmx[i], v);
+        wmn[i] = std::min(wmn[i], v);
+      }
+    }
+    coll::allreduce(k.ctx("allreduce"), mx.data(), count, DataType::kInt32, ReduceOp::kMax);
+    coll::allreduce(k.ctx("allreduce"), mn.data(), count, DataType::kInt32, ReduceOp::kMin);
+    check_eq(mx, wmx, tag("allreduce int32 MAX", count));
+    check_eq(mn, wmn, tag("allreduce int32 MIN", count));
+  }
+  {  // int64 PRODUCT (wraps; the same on every rank) and BXOR
+    std::vector<std::int64_t> pr(count), bx(count), wpr(count, 1), wbx(count, 0);
+    for (std::size_t i = 0; i < count; ++i) {
+      pr[i] = static_cast<std::int64_t>(i) * 1000003 + r + 2;
+      bx[i] = static_cast<std::int64_t>(i) << (r % 8);
+      for (int p = 0; p < n; ++p) {
+        wpr[i] = static_cast<std::int64_t>(static_cast<std::uint64_t>(wpr[i]) *
+                                           static_cast<std::uint64_t>(static_cast<std::int64_t>(i) * 1000003 + p + 2));
+        wbx[i] ^= static_cast<std::int64_t>(i) << (p % 8);
+      }
+    }
+    coll::allreduce(k.ctx("allreduce"), pr.data(), count, DataType::kInt64, ReduceOp::kProduct);
+    coll::allreduce(k.ctx("allreduce"), bx.data(), count, DataType::kInt64, ReduceOp::kBxor);
+    check_eq(pr, wpr, tag("allreduce int64 PRODUCT", count));
+    check_eq(bx, wbx, tag("allreduce int64 BXOR", count));
+  }
+  {  // bool: SUM is logical or, PRODUCT logical and
+    std::vector<std::uint8_t> any(count), all(count), wany(count, 0), wall(count, 1);
+    for (std::size_t i = 0; i < count; ++i) {
+      any[i] = static_cast<std::uint8_t>((i % static_cast<std::size_t>(n + 1)) == static_cast<std::size_t>(r));
+      all[i] = static_cast<std::uint8_t>(i % 3 != 0 || r != n - 1);
+      for (int p = 0; p < n; ++p) {
+        wany[i] |= static_cast<std::uint8_t>((i % static_cast<std::size_t>(n + 1)) == static_cast<std::size_t>(p));
+        wall[i] &= static_cast<std::uint8_t>(i % 3 != 0 || p != n - 1);
+      }
+    }
+    coll::allreduce(k.ctx("allreduce"), any.data(), count, DataType::kBool, ReduceOp::kSum);
+    coll::allreduce(k.ctx("allreduce"), all.data(), count, DataType::kBool, ReduceOp::kProduct);
+    check_eq(any, wany, tag("allreduce bool SUM", count));
+    check_eq(all, wall, tag("allreduce bool PRODUCT", count));
+  }
+  {  // complex64 SUM, float64 MIN
+    std::vector<std::complex<float>> c(count), wc(count);
+    std::vector<double> m(count), wm(count, 1e300);
+    for (std::size_t i = 0; i < count; ++i) {
+      c[i] = {val(r, i), val(r, i + 1)};
+      m[i] = val(r, i) * 0.5;
+      for (int p = 0; p < n; ++p) {
+        wc[i] += std::complex<float>(val(p, i), val(p, i + 1));
+        wm[i] = std::min(wm[i], val(p, i) * 0.5);
+      }
+    }
+    coll::allreduce(k.ctx("allreduce"), c.data(), count, DataType::kComplex64, ReduceOp::kSum);
+    coll::allreduce(k.ctx("allreduce"), m.data(), count, DataType::kFloat64, ReduceOp::kMin);
+    for (std::size_t i = 0; i < count; ++i) {
+      if (c[i] != wc[i]) check_failed(__FILE__, __LINE__, tag("allreduce complex64 SUM", count));
+    }
+    check_eq(m, wm, tag("allreduce float64 MIN", count));
+  }
+}
+
+void check_reduce(Rank& k, std::size_t count, int root) {
+  std::vector<float> buf = contribution(k.r(), count), want(count, 0.0f);
+  for (int p = 0; p < k.n(); ++p) {
+    for (std::size_t i = 0; i < count; ++i) want[i] += val(p, i);
+  }
+  coll::reduce(k.ctx("reduce"), buf.data(), count, DataType::kFloat32, ReduceOp::kSum, root);
+  if (k.r() == root) check_eq(buf, want, tag("reduce float32 SUM", count, root));
+}
+
+void check_allgatherv(Rank& k, const std::vector<std::size_t>& counts, bool in_place) {
+  const int n = k.n(), r = k.r();
+  std::vector<std::size_t> displs(counts.size());
+  std::size_t total = 0;
+  for (std::size_t p = 0; p < counts.size(); ++p) {
+    displs[p] = total + 3;  // gaps between the parts stay untouched
+    total = displs[p] + counts[p];
+  }
+  std::vector<unsigned char> out(total + 5, 0xAB), want(total + 5, 0xAB);
+  for (int p = 0; p < n; ++p) {
+    const auto part = bytes_of(p, counts[static_cast<std::size_t>(p)], 2);
+    std::copy(part.begin(), part.end(), want.begin() + static_cast<std::ptrdiff_t>(displs[static_cast<std::size_t>(p)]));
+  }
+  const auto mine = bytes_of(r, counts[static_cast<std::size_t>(r)], 2);
+  const void* in = mine.data();
+  if (in_place) {
+    std::copy(mine.begin(), mine.end(), out.begin() + static_cast<std::ptrdiff_t>(displs[static_cast<std::size_t>(r)]));
+    in = out.data() + displs[static_cast<std::size_t>(r)];
+  }
+  coll::allgatherv(k.ctx("allgatherv"), in, out.data(), counts.data(), displs.data());
+  if (out != want) check_failed(__FILE__, __LINE__, "allgatherv: wrong data");
+}
+
+void check_allgather(Rank& k, std::size_t bytes) {
+  const int n = k.n();
+  std::vector<unsigned char> out(bytes * static_cast<std::size_t>(n)), want;
+  for (int p = 0; p < n; ++p) {
+    const auto part = bytes_of(p, bytes, 3);
+    want.insert(want.end(), part.begin(), part.end());
+  }
+  const auto mine = bytes_of(k.r(), bytes, 3);
+  coll::allgather(k.ctx("allgather"), mine.data(), bytes, out.data());
+  if (out != want) check_failed(__FILE__, __LINE__, tag("allgather", bytes) + ": wrong data");
+  // In place: `in` aliases the rank's own slot of `out`.
+  std::vector<unsigned char> out2(out.size(), 0);
+  std::copy(mine.begin(), mine.end(), out2.begin() + static_cast<std::ptrdiff_t>(bytes * static_cast<std::size_t>(k.r())));
+  coll::allgather(k.ctx("allgather"), out2.data() + bytes * static_cast<std::size_t>(k.r()), bytes, out2.data());
+  if (out2 != want) check_failed(__FILE__, __LINE__, tag("allgather in place", bytes) + ": wrong data");
+}
+
+void check_gather_scatter(Rank& k, std::size_t bytes, int root) {
+  const int n = k.n(), r = k.r();
+  const auto nn = static_cast<std::size_t>(n);
+  std::vector<unsigned char> want;
+  for (int p = 0; p < n; ++p) {
+    const auto part = bytes_of(p, bytes, 4);
+    want.insert(want.end(), part.begin(), part.end());
+  }
+  const auto mine = bytes_of(r, bytes, 4);
+  std::vector<unsigned char> out(r == root ? bytes * nn : 0);
+  coll::gather(k.ctx("gather"), mine.data(), bytes, r == root ? out.data() : nullptr, root);
+  if (r == root && out != want) check_failed(__FILE__, __LINE__, tag("gather", bytes, root) + ": wrong data");
+  // Scatter the same concatenation back out.
+  std::vector<unsigned char> got(bytes, 0xCD);
+  coll::scatter(k.ctx("scatter"), r == root ? want.data() : nullptr, got.data(), bytes, root);
+  if (got != mine) check_failed(__FILE__, __LINE__, tag("scatter", bytes, root) + ": wrong data");
+}
+
+void check_reduce_scatter(Rank& k, const std::vector<std::size_t>& counts) {
+  const int n = k.n(), r = k.r();
+  const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+  std::size_t my_off = 0;
+  for (int p = 0; p < r; ++p) my_off += counts[static_cast<std::size_t>(p)];
+  const std::size_t mine = counts[static_cast<std::size_t>(r)];
+  const std::vector<float> in = contribution(r, total);
+  std::vector<float> out(mine, -99.0f), want(mine, 0.0f);
+  for (int p = 0; p < n; ++p) {
+    for (std::size_t i = 0; i < mine; ++i) want[i] += val(p, my_off + i);
+  }
+  coll::reduce_scatter(k.ctx("reduce_scatter"), in.data(), out.data(), counts.data(), DataType::kFloat32,
+                       ReduceOp::kSum);
+  check_eq(out, want, "reduce_scatter count " + std::to_string(total));
+  if (in != contribution(r, total)) check_failed(__FILE__, __LINE__, "reduce_scatter modified its input");
+  // In place: out is the rank's own block of the input.
+  std::vector<float> io = contribution(r, total);
+  coll::reduce_scatter(k.ctx("reduce_scatter"), io.data(), io.data() + my_off, counts.data(),
+                       DataType::kFloat32, ReduceOp::kSum);
+  check_eq(std::vector<float>(io.begin() + static_cast<std::ptrdiff_t>(my_off),
+                              io.begin() + static_cast<std::ptrdiff_t>(my_off + mine)),
+           want, "reduce_scatter in place");
+}
+
+// Rank s sends split(s, d) bytes to rank d; some splits are zero.
+std::size_t split(int s, int d, int salt) {
+  return static_cast<std::size_t>(((s * 5 + d * 3 + salt) % 7) == 0 ? 0 : (s * 13 + d * 7 + salt) % 29);
+}
+
+void check_alltoallv(Rank& k, int salt) {
+  const int n = k.n(), r = k.r();
+  const auto nn = static_cast<std::size_t>(n);
+  std::vector<std::size_t> sc(nn), sd(nn), rc(nn), rd(nn);
+  std::size_t in_total = 0, out_total = 0;
+  for (int p = 0; p < n; ++p) {
+    const auto pu = static_cast<std::size_t>(p);
+    sc[pu] = split(r, p, salt);
+    rc[pu] = split(p, r, salt);
+  }
+  // Displacements in reverse rank order, with gaps, to check they are honoured.
+  for (int p = n - 1; p >= 0; --p) {
+    const auto pu = static_cast<std::size_t>(p);
+    sd[pu] = in_total + 1;
+    in_total = sd[pu] + sc[pu];
+    rd[pu] = out_total + 2;
+    out_total = rd[pu] + rc[pu];
+  }
+  std::vector<unsigned char> in(in_total + 1, 0x11), out(out_total + 1, 0x22), want(out_total + 1, 0x22);
+  for (int p = 0; p < n; ++p) {
+    const auto pu = static_cast<std::size_t>(p);
+    const auto to = bytes_of(r * 100 + p, sc[pu], 5);
+    std::copy(to.begin(), to.end(), in.begin() + static_cast<std::ptrdiff_t>(sd[pu]));
+    const auto from = bytes_of(p * 100 + r, rc[pu], 5);
+    std::copy(from.begin(), from.end(), want.begin() + static_cast<std::ptrdiff_t>(rd[pu]));
+  }
+  coll::alltoallv(k.ctx("alltoallv"), in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data());
+  if (out != want) check_failed(__FILE__, __LINE__, "alltoallv salt " + std::to_string(salt) + ": wrong data");
+}
+
+void check_invalid_arguments(Rank& k) {
+  const int n = k.n();
+  float f[4] = {};
+  // Every rank rejects the same bad arguments before posting anything: nothing hangs.
+  std::string m = expect_error(Errc::kInvalidArgument, [&] { coll::broadcast(k.ctx("broadcast"), f, 4, n); });
+  CX_CHECK_HAS(m, "commux broadcast: root");
+  m = expect_error(Errc::kInvalidArgument,
+                   [&] { coll::allreduce(k.ctx("allreduce"), f, 2, DataType::kComplex64, ReduceOp::kMin); });
+  CX_CHECK_HAS(m, "commux allreduce: ReduceOp MIN is not defined for complex64");
+  m = expect_error(Errc::kInvalidArgument,
+                   [&] { coll::reduce(k.ctx("reduce"), f, 4, DataType::kFloat32, ReduceOp::kBand, 0); });
+  CX_CHECK_HAS(m, "commux reduce:");
+  coll::Context none;
+  none.op_name = "barrier";
+  m = expect_error(Errc::kInvalidArgument, [&] { coll::barrier(none); });
+  CX_CHECK_HAS(m, "commux barrier:");
+}
+
+// The whole sequence, for one world.
+void all_collectives(Rank& k, bool large) {
+  const int n = k.n();
+  const auto nn = static_cast<std::size_t>(n);
+  const std::vector<int> roots = n == 1 ? std::vector<int>{0} : std::vector<int>{0, n - 1, n / 2};
+  const std::size_t not_div = nn * 3 + 1;  // not divisible by n (for n > 1)
+  check_barrier(k);
+  for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{5000}}) {
+    for (int root : roots) check_broadcast(k, bytes, root);
+  }
+  // Scatter + ring allgather path (>= 512 KiB), uneven blocks.
+  check_broadcast(k, (std::size_t{600} << 10) + 3, n - 1);
+  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div,
+                            nn > 1 ? nn - 1 : 1 /* fewer elements than ranks */,
+                            std::size_t{20011} /* ring / halves, uneven */}) {
+    check_allreduce_sum(k, count);
+  }
+  check_allreduce_identical(k, 13);
+  check_allreduce_identical(k, 20011);
+  check_allreduce_types(k, 7);
+  check_allreduce_types(k, 9001);  // 9001 int64 = 72 KB: ring / halves
+  for (int root : roots) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{20011}}) {
+      check_reduce(k, count, root);
+    }
+  }
+  for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{70001}}) {
+    check_allgather(k, bytes);
+  }
+  {
+    std::vector<std::size_t> uneven(nn);
+    for (std::size_t p = 0; p < nn; ++p) uneven[p] = (p % 3 == 1) ? 0 : p * 11 + 5;
+    check_allgatherv(k, uneven, false);
+    check_allgatherv(k, uneven, true);
+    check_allgatherv(k, counts_for(n, 0), false);
+  }
+  for (int root : roots) {
+    for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{70001}}) {
+      check_gather_scatter(k, bytes, root);
+    }
+  }
+  {
+    std::vector<std::size_t> uneven(nn);
+    for (std::size_t p = 0; p < nn; ++p) uneven[p] = (p % 3 == 1) ? 0 : p * 7 + 3;
+    check_reduce_scatter(k, uneven);
+    check_reduce_scatter(k, counts_for(n, 0));
+    check_reduce_scatter(k, counts_for(n, 1));
+    check_reduce_scatter(k, counts_for(n, 5003));
+  }
+  for (int salt : {0, 1, 2}) check_alltoallv(k, salt);
+  check_invalid_arguments(k);
+  check_barrier(k);
+  if (large) {
+    check_allreduce_sum(k, std::size_t{1} << 20);
+    check_allreduce_sum(k, (std::size_t{1} << 20) + 3);  // 2 ranks: 3 uneven chunks per half
+    check_allreduce_identical(k, (std::size_t{1} << 20) + 3);
+    check_reduce(k, (std::size_t{1} << 20) + 3, n - 1);  // pipelined in 5 uneven chunks
+    std::vector<std::size_t> big = counts_for(n, (std::size_t{1} << 20) / nn);
+    big[0] += 5;
+    check_reduce_scatter(k, big);
+  }
+}
+
+}  // namespace
+
+class Threads : public ::testing::TestWithParam<int> {};
+
+TEST_P(Threads, EveryCollective) {
+  const int n = GetParam();
+  const bool large = n == 2 || n == 5;
+  const auto t0 = Clock::now();
+  run_world(n, [&](Rank& k) { all_collectives(k, large); });
+  std::fprintf(stderr, "[world %d] every collective in %.2f s\n", n,
+               std::chrono::duration<double>(Clock::now() - t0).count());
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Threads, ::testing::Values(1, 2, 3, 4, 5, 8));
+
+// Buffers of a memory type other than kHost take the device path: reductions staged through host
+// scratch, local copies as messages to the rank itself. Host memory labelled kUnknown (UCX finds
+// out what it is) runs that path without a GPU.
+TEST(Collectives, NonHostMemoryPathOnHostBuffers) {
+  for (int n : {1, 2, 3}) {
+    run_world(n, [&](Rank& k) { all_collectives(k, n == 2); }, MemoryType::kUnknown);
+  }
+}
+
+// Collectives with distinct tags may be in flight at once (the torch backend runs them on
+// worker threads): two threads per rank, each running its own sequence.
+TEST(Collectives, ConcurrentCollectivesWithDistinctTags) {
+  run_world(3, [](Rank& k) {
+    std::atomic<int> failed{0};
+    std::string why;
+    std::mutex mu;
+    auto worker = [&](std::uint32_t base) {
+      try {
+        for (int i = 0; i < 20; ++i) {
+          coll::Context c;
+          c.comm = &k.comm;
+          c.tag = base + static_cast<std::uint32_t>(i);
+          c.deadline = Clock::now() + std::chrono::seconds(30);
+          c.op_name = "allreduce";
+          std::vector<float> v = contribution(k.r(), 4099);
+          coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+          std::vector<float> want(v.size(), 0.0f);
+          for (int p = 0; p < k.n(); ++p) {
+            for (std::size_t j = 0; j < want.size(); ++j) want[j] += val(p, j);
+          }
+          check_eq(v, want, "concurrent allreduce");
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> g(mu);
+        why = e.what();
+        failed.fetch_add(1);
+      }
+    };
+    std::thread a(worker, 1000u), b(worker, 2000u);
+    a.join();
+    b.join();
+    if (failed.load() != 0) check_failed(__FILE__, __LINE__, why);
+  });
+}
+
+// ---- forked processes: failures ---------------------------------------------------------------
+
+namespace {
+
+// Ranks 0 and 1 run an allreduce with a 1.5 s deadline; rank 2 never joins (it stays alive, or
+// exits at once). The others must fail within the deadline plus a few seconds, naming the op.
+void never_joins(bool exits, std::size_t count) {
+  RunOptions o;
+  o.timeout_s = 30;
+  run_ranks(3, [exits, count](Communicator& c) {
+    if (c.rank() == 2) {
+      if (!exits) std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+      return;
+    }
+    std::vector<float> v(count, 1.0f);
+    coll::Context ctx;
+    ctx.comm = &c;
+    ctx.tag = 7;
+    ctx.op_name = "allreduce";
+    const auto t0 = Clock::now();
+    ctx.deadline = t0 + std::chrono::milliseconds(1500);
+    std::string msg;
+    Errc code = Errc::kTransport;
+    try {
+      coll::allreduce(ctx, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+      check_failed(__FILE__, __LINE__, "allreduce without rank 2 returned");
+    } catch (const Error& e) {
+      msg = e.what();
+      code = e.code();
+    }
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::fprintf(stderr, "[rank %d] after %.2f s (%s): %s\n", c.rank(), took, errc_name(code), msg.c_str());
+    CX_CHECK(code == Errc::kTimeout || (exits && code == Errc::kPeerFailed));
+    CX_CHECK_HAS(msg, "commux allreduce: ");
+    CX_CHECK_HAS(msg, "peer ");
+    CX_CHECK(took < 1.5 + 3.0);
+    if (!exits) CX_CHECK(took >= 1.4);
+  }, o);
+}
+
+}  // namespace
+
+TEST(CollectiveFailures, RankNeverJoinsSmallAllreduceTimesOut) { never_joins(false, 16); }
+TEST(CollectiveFailures, RankNeverJoinsLargeAllreduceTimesOut) { never_joins(false, 1 << 20); }
+TEST(CollectiveFailures, RankExitsBeforeAllreduce) { never_joins(true, 16); }
+
+// Rank 0 believes the pair exchanges `a` bytes each way, rank 1 believes `b`: rank 0 receives a
+// message longer than it posted (kTruncated), rank 1 a shorter one (kInvalidArgument); both name
+// the peer and both sizes.
+TEST(CollectiveFailures, AlltoallvMismatchedSplitsFailOnBothRanks) {
+  for (auto [a, b] : {std::pair<std::size_t, std::size_t>{3, 5}, {0, 4}, {100, 70000}}) {
+    run_ranks(2, [a = a, b = b](Communicator& c) {
+      const int r = c.rank(), peer = 1 - r;
+      const std::size_t mine = r == 0 ? a : b, theirs = r == 0 ? b : a;
+      // Its own block (4 bytes) first, the peer's after it.
+      std::vector<std::size_t> sc(2, 4), rc(2, 4), sd(2, 0), rd(2, 0);
+      sc[static_cast<std::size_t>(peer)] = rc[static_cast<std::size_t>(peer)] = mine;
+      sd[static_cast<std::size_t>(peer)] = rd[static_cast<std::size_t>(peer)] = 4;
+      std::vector<unsigned char> in(4 + mine + 4, 1), out(4 + mine + 4, 0);
+      coll::Context ctx;
+      ctx.comm = &c;
+      ctx.tag = 3;
+      ctx.op_name = "alltoall";
+      ctx.deadline = Clock::now() + std::chrono::seconds(10);
+      std::string msg;
+      Errc code = Errc::kTransport;
+      try {
+        coll::alltoallv(ctx, in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data());
+      } catch (const Error& e) {
+        msg = e.what();
+        code = e.code();
+      }
+      std::fprintf(stderr, "[rank %d] %s: %s\n", r, errc_name(code), msg.c_str());
+      CX_CHECK(code == (theirs > mine ? Errc::kTruncated : Errc::kInvalidArgument));
+      CX_CHECK_HAS(msg, "commux alltoall: ");
+      CX_CHECK_HAS(msg, "peer " + std::to_string(peer));
+      CX_CHECK_HAS(msg, std::to_string(mine));
+      CX_CHECK_HAS(msg, std::to_string(theirs));
+      // The communicator is still usable: a barrier with a fresh tag completes.
+      coll::Context bc;
+      bc.comm = &c;
+      bc.tag = 4;
+      bc.op_name = "barrier";
+      bc.deadline = Clock::now() + std::chrono::seconds(10);
+      coll::barrier(bc);
+    });
+  }
+}
