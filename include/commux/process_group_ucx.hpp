@@ -1,0 +1,171 @@
+// commux/process_group_ucx.hpp -- the torch.distributed backend "ucx" (the one public header that
+// includes torch).
+//
+//   auto store = c10::make_intrusive<c10d::FileStore>(path, size);
+//   auto ucx = c10::make_intrusive<commux::ProcessGroupUCX>(store, rank, size);
+//   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+//   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, ucx);
+//
+// Threads and progress: point-to-point operations are posted on the caller's thread and progress in
+// commux's background progress thread (docs/progress.md). Collectives are queued, in call order, to
+// one worker thread per group that runs the algorithms of <commux/collectives.hpp>; every rank of a
+// group must issue its collectives in the same order (as with every torch backend).
+//
+// Ownership: the backend (not the Work) owns every in-flight operation together with the tensors
+// it reads or writes, so a Work dropped before completion never frees memory UCX still uses.
+// A Work keeps its output tensors and reports them through result() and getFuture().
+//
+// Groups: each ProcessGroupUCX (the default group and every new_group) has its own Communicator,
+// i.e. its own UCX worker and endpoints, so groups cannot cross-talk.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "commux/collectives.hpp"
+#include "commux/communicator.hpp"
+
+namespace commux {
+
+class ProcessGroupUCX;
+
+namespace c10d_detail {
+struct Task;
+class CollWork;
+class P2PWork;
+}  // namespace c10d_detail
+
+class ProcessGroupUCX : public c10d::Backend {
+ public:
+  static constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(30)};
+
+  // `store` is scoped to this group (torch passes a PrefixStore). `name` is what
+  // getBackendName() reports ("ucx" or "commux"); `group_name` appears in error messages.
+  ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  std::chrono::milliseconds timeout = kDefaultTimeout, std::string name = "ucx",
+                  std::string group_name = "");
+  ~ProcessGroupUCX() override;
+
+  const std::string getBackendName() const override { return name_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  Communicator& communicator() { return *comm_; }
+
+  // Point-to-point: tags are honoured exactly (0 .. 2^32-1).
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+
+  // The coalescing window (batch_isend_irecv, _coalescing_manager): the Work endCoalescing returns
+  // covers every operation issued on this thread's group since startCoalescing.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+
+  // Cancels what is still in flight (its Works fail with "shut down"), stops the worker thread and
+  // closes the endpoints; bounded by COMMUX_SHUTDOWN_TIMEOUT_MS. Idempotent; the destructor calls it.
+  void shutdown() override;
+  void abort() override { shutdown(); }
+
+ private:
+  friend class c10d_detail::P2PWork;
+  using Body = std::function<void(std::uint32_t tag, std::chrono::steady_clock::time_point)>;
+
+  // Queues `body` for the worker thread; the returned Work completes when it has run.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* op_name,
+                                         std::chrono::milliseconds op_timeout,
+                                         std::vector<at::Tensor> keep_alive,
+                                         std::vector<at::Tensor> outputs, Body body,
+                                         std::uint32_t ntags = 1);
+  c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, const char* op_name,
+                                          std::vector<at::Tensor>& tensors, int peer, int tag);
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  coll::Context context(const char* op_name, std::uint32_t tag,
+                        std::chrono::steady_clock::time_point deadline);
+  void watch_future(c10::intrusive_ptr<c10d_detail::P2PWork> work);
+  std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
+  void worker_loop();
+  void reap_locked();
+  std::string where() const;
+
+  std::string name_;
+  std::string group_name_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<Communicator> comm_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
+  bool stopping_ = false;
+  std::uint32_t next_tag_ = 0;
+  // In-flight work the backend keeps alive (and its tensors) until it completes.
+  std::list<c10::intrusive_ptr<c10d_detail::P2PWork>> inflight_;
+  std::thread worker_;
+  // p2p Works whose future was asked for: the watcher thread completes those futures.
+  std::vector<c10::intrusive_ptr<c10d_detail::P2PWork>> watched_;
+  std::thread watcher_;
+  bool shut_down_ = false;
+
+  // Coalescing windows, per issuing thread.
+  std::mutex coalesce_mu_;
+  std::vector<std::pair<std::thread::id, std::vector<c10::intrusive_ptr<c10d::Work>>>> windows_;
+};
+
+}  // namespace commux

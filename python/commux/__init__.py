@@ -1,0 +1,122 @@
+"""commux: the UCX backend for torch.distributed.
+
+    import commux
+    commux.register()                      # backends "ucx" and "commux", cpu and cuda
+    dist.init_process_group("ucx")         # under torchrun
+
+or, portably:
+
+    try:
+        from commux import preferred_backend
+        backend = preferred_backend()
+    except ImportError:
+        backend = "gloo"
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+_BUILT_WITH_TORCH = None  # filled from _build_info below
+
+
+def _load_native():
+    # UCX: when it comes from the libucx wheel, let the wheel load its libraries first (its own
+    # loader knows where they are); the RPATHs of our libraries point there as well.
+    try:
+        import libucx
+
+        libucx.load_library()
+    except ImportError:
+        pass
+    from . import _C  # noqa: F401  (needs torch.distributed imported: it subclasses c10d.Backend)
+
+    return _C
+
+
+def _check_torch():
+    from . import _build_info
+
+    built = _build_info.TORCH_VERSION
+    running = torch.__version__
+    if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
+        raise ImportError(
+            f"commux was built against torch {built} but torch {running} is installed; "
+            "rebuild it with `pip install . --no-build-isolation` in this environment"
+        )
+    return built
+
+
+_BUILT_WITH_TORCH = _check_torch()
+_C = _load_native()
+__version__ = _C.__version__
+ProcessGroupUCX = _C.ProcessGroupUCX
+
+BACKEND_NAMES = ("ucx", "commux")
+_lock = threading.Lock()
+_registered = False
+
+
+def _creator(name):
+    def create(dist_opts, backend_opts=None):  # extended_api=True signature
+        return ProcessGroupUCX(
+            dist_opts.store,
+            dist_opts.group_rank,
+            dist_opts.group_size,
+            dist_opts.timeout,
+            name,
+            str(dist_opts.group_id),
+        )
+
+    create.__name__ = f"create_{name}_backend"
+    return create
+
+
+def register() -> None:
+    """Registers the torch.distributed backends "ucx" and "commux" (cpu and cuda). Idempotent."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        for name in BACKEND_NAMES:
+            if name.upper() in getattr(dist.Backend, "_plugins", {}):
+                continue  # registered earlier in this process (re-registering raises)
+            dist.Backend.register_backend(
+                name, _creator(name), extended_api=True, devices=["cpu", "cuda"]
+            )
+        _registered = True
+
+
+def preferred_backend() -> str:
+    """Registers commux and returns the backend name to pass to init_process_group: "ucx"."""
+    register()
+    return "ucx"
+
+
+def get_include() -> str:
+    """Directory with the commux C++ headers (for C++ extensions and CMake projects)."""
+    return os.path.join(os.path.dirname(__file__), "include")
+
+
+def get_lib_dir() -> str:
+    """Directory with libcommux.so and libcommux_c10d.so."""
+    return os.path.join(os.path.dirname(__file__), "lib")
+
+
+def runtime_info() -> dict:
+    """What this process's UCX offers and which settings commux applies (see commux.info)."""
+    return dict(_C.runtime_info())
+
+
+__all__ = [
+    "ProcessGroupUCX",
+    "__version__",
+    "get_include",
+    "get_lib_dir",
+    "preferred_backend",
+    "register",
+    "runtime_info",
+]

@@ -1,0 +1,45 @@
+"""python -m commux.info: versions of commux, torch and UCX, UCX's transports and memory types,
+and the settings in effect (commux's UCX defaults and the user's UCX_* / COMMUX_* variables)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> int:
+    import torch
+
+    import commux
+
+    info = commux.runtime_info()
+    print(f"commux        {commux.__version__} ({os.path.dirname(commux.__file__)})")
+    print(f"torch         {torch.__version__} (commux built against {commux._BUILT_WITH_TORCH}; "
+          f"cuda {torch.version.cuda or 'none'})")
+    print(f"python        {sys.version.split()[0]}")
+    try:
+        import libucx
+
+        where = f"libucx wheel {libucx.__version__}"
+    except ImportError:
+        where = "system"
+    print(f"UCX           {info['ucx_version']} ({where})")
+    print(f"transports    {', '.join(info['transports']) or '(none)'}")
+    print(f"memory types  {', '.join(info['memory_types']) or '(none)'}")
+    print(f"backends      {', '.join(commux.BACKEND_NAMES)} (devices cpu, cuda)")
+    print("settings in effect:")
+    print(f"  packing of multi-tensor messages: {info['packing']}")
+    print(f"  waits: spin {info['spin_us']} us, then "
+          f"{'sleep on the worker event fd' if info['event_fd'] else 'backoff polling by the progress thread'}")
+    print(f"  shutdown bound: {info['shutdown_timeout_ms']} ms")
+    for d in info["applied_defaults"]:
+        print(f"  commux default: {d}")
+    for s in info["user_settings"]:
+        print(f"  from the environment: {s}")
+    env = {k: v for k, v in os.environ.items() if k.startswith("COMMUX_")}
+    for k in sorted(env):
+        print(f"  from the environment: {k}={env[k]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

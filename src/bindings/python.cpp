@@ -1,0 +1,68 @@
+// The one file that includes pybind11 (torch's own copy, so torch's Store and Backend types cast
+// across). Exposes ProcessGroupUCX as a subclass of torch's c10d Backend, plus runtime facts for
+// `python -m commux.info`.
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "commux/process_group_ucx.hpp"
+#include "commux/store.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+py::dict runtime_info() {
+  // A one-rank communicator over a private FileStore: reports what this process's UCX can do.
+  char dir[] = "/tmp/commux-info-XXXXXX";
+  if (mkdtemp(dir) == nullptr) throw std::runtime_error("commux info: mkdtemp failed");
+  py::dict d;
+  {
+    commux::Options o = commux::Options::from_env();
+    commux::Communicator c(std::make_shared<commux::FileStore>(dir), 0, 1, o);
+    const auto& i = c.runtime_info();
+    d["ucx_version"] = i.ucx_version;
+    d["transports"] = i.transports;
+    d["memory_types"] = i.memory_types;
+    d["applied_defaults"] = i.applied_defaults;
+    d["user_settings"] = i.user_settings;
+    d["event_fd"] = i.event_fd;
+    d["packing"] = o.packing == commux::Packing::kIov ? "iov (COMMUX_COALESCE)" : "parts";
+    d["spin_us"] = o.spin.count();
+    d["shutdown_timeout_ms"] = o.shutdown_timeout.count();
+  }
+  std::string cmd = std::string("rm -rf '") + dir + "'";
+  (void)std::system(cmd.c_str());
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "commux: the UCX backend for torch.distributed (native part)";
+  py::module_::import("torch.distributed");  // registers c10d's Backend and Store types
+
+  py::class_<commux::ProcessGroupUCX, c10d::Backend, c10::intrusive_ptr<commux::ProcessGroupUCX>>(
+      m, "ProcessGroupUCX")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, const std::string& name,
+                       const std::string& group_name) {
+             return c10::make_intrusive<commux::ProcessGroupUCX>(store, rank, size, timeout, name,
+                                                                group_name);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"),
+           py::arg("timeout") = commux::ProcessGroupUCX::kDefaultTimeout,
+           py::arg("name") = "ucx", py::arg("group_name") = "",
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("timeout", &commux::ProcessGroupUCX::timeout);
+
+  m.def("runtime_info", &runtime_info,
+        "UCX version, transports, memory types and the settings commux applies in this process");
+#ifdef COMMUX_VERSION
+  m.attr("__version__") = COMMUX_VERSION;
+#endif
+}

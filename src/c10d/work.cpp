@@ -1,0 +1,252 @@
+#include "work.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <memory>
+
+#include "commux/error.hpp"
+
+namespace commux::c10d_detail {
+
+std::exception_ptr to_torch_error(std::exception_ptr e) {
+  if (!e) return e;
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& err) {
+    const std::string msg = err.what();
+    try {
+      if (err.code() == Errc::kInvalidArgument || err.code() == Errc::kUnsupported) {
+        C10_THROW_ERROR(ValueError, msg);
+      }
+      C10_THROW_ERROR(DistBackendError, msg);
+    } catch (...) {
+      return std::current_exception();
+    }
+  } catch (...) {
+    return e;
+  }
+}
+
+void throw_torch_error(std::exception_ptr e) { std::rethrow_exception(to_torch_error(e)); }
+
+c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future() {
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
+// --- Task / CollWork -------------------------------------------------------------------------
+
+void Task::finish(std::exception_ptr e) {
+  e = to_torch_error(e);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    error = e;
+    done = true;
+  }
+  cv.notify_all();
+  // Future callbacks (DDP comm hooks) run here, on the worker thread, outside our lock.
+  if (e) {
+    future->setError(e);
+  } else {
+    future->markCompleted(c10::IValue(outputs));
+  }
+}
+
+CollWork::CollWork(int rank, std::shared_ptr<Task> task, std::chrono::milliseconds default_timeout,
+                   std::string where)
+    : c10d::Work(rank, task->type),
+      task_(std::move(task)),
+      default_timeout_(default_timeout),
+      where_(std::move(where)) {}
+
+bool CollWork::isCompleted() {
+  std::lock_guard<std::mutex> lk(task_->mu);
+  return task_->done;
+}
+
+bool CollWork::isSuccess() const {
+  std::lock_guard<std::mutex> lk(task_->mu);
+  return task_->done && !task_->error;
+}
+
+std::exception_ptr CollWork::exception() const {
+  std::lock_guard<std::mutex> lk(task_->mu);
+  return task_->error;
+}
+
+bool CollWork::wait(std::chrono::milliseconds timeout) {
+  const auto limit = timeout.count() > 0 ? timeout : default_timeout_;
+  std::unique_lock<std::mutex> lk(task_->mu);
+  // The task itself fails at its deadline; the extra second only covers the wake-up.
+  const bool finished =
+      task_->cv.wait_for(lk, limit + std::chrono::seconds(timeout.count() > 0 ? 0 : 1),
+                         [&] { return task_->done; });
+  if (!finished) {
+    throw_torch_error(std::make_exception_ptr(
+        Error(Errc::kTimeout, std::string("commux ") + task_->op_name + ": not complete after " +
+                                  std::to_string(limit.count()) + " ms (" + where_ +
+                                  "); the operation is still in flight")));
+  }
+  if (task_->error) std::rethrow_exception(task_->error);
+  return true;
+}
+
+// --- P2PWork ---------------------------------------------------------------------------------
+
+P2PWork::P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::Tensor> tensors,
+                 std::chrono::milliseconds default_timeout)
+    : c10d::Work(rank, type),
+      request_(std::move(request)),
+      tensors_(std::move(tensors)),
+      default_timeout_(default_timeout) {}
+
+bool P2PWork::isCompleted() { return request_.done() || request_.test(); }
+
+bool P2PWork::isSuccess() const { return request_.done() && !request_.error(); }
+
+std::exception_ptr P2PWork::exception() const { return to_torch_error(request_.error()); }
+
+int P2PWork::sourceRank() const {
+  if (!request_.done()) {
+    C10_THROW_ERROR(ValueError,
+                    "commux recvAnysource: sourceRank() is only valid after wait() has returned");
+  }
+  return request_.source();
+}
+
+bool P2PWork::wait(std::chrono::milliseconds timeout) {
+  try {
+    request_.wait(timeout.count() > 0 ? timeout : default_timeout_);
+  } catch (...) {
+    throw_torch_error(std::current_exception());
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> P2PWork::getFuture() {
+  std::lock_guard<std::mutex> lk(future_mu_);
+  if (!future_) {
+    future_ = make_tensor_list_future();
+    if (!request_.done() && watch_) {
+      watch_(c10::intrusive_ptr<P2PWork>::reclaim_copy(this));
+      return future_;
+    }
+    if (request_.done()) {
+      if (auto e = request_.error()) {
+        future_->setError(to_torch_error(e));
+      } else {
+        future_->markCompleted(c10::IValue(tensors_));
+      }
+    }
+  }
+  return future_;
+}
+
+bool P2PWork::poll_future() {
+  if (!request_.done() && !request_.test()) return false;
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> lk(future_mu_);
+    f = future_;
+  }
+  if (f && !f->completed()) {
+    if (auto e = request_.error()) {
+      f->setError(to_torch_error(e));
+    } else {
+      f->markCompleted(c10::IValue(tensors_));
+    }
+  }
+  return true;
+}
+
+// --- CoalescedWork ---------------------------------------------------------------------------
+
+CoalescedWork::CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works)
+    : c10d::Work(rank, c10d::OpType::COALESCED), works_(std::move(works)) {}
+
+bool CoalescedWork::isCompleted() {
+  for (auto& w : works_) {
+    if (!w->isCompleted()) return false;
+  }
+  return true;
+}
+
+bool CoalescedWork::isSuccess() const {
+  for (auto& w : works_) {
+    if (!w->isSuccess()) return false;
+  }
+  return true;
+}
+
+std::exception_ptr CoalescedWork::exception() const {
+  for (auto& w : works_) {
+    if (auto e = w->exception()) return e;
+  }
+  return nullptr;
+}
+
+std::vector<at::Tensor> CoalescedWork::result() {
+  std::vector<at::Tensor> out;
+  for (auto& w : works_) {
+    auto r = w->result();
+    out.insert(out.end(), r.begin(), r.end());
+  }
+  return out;
+}
+
+bool CoalescedWork::wait(std::chrono::milliseconds timeout) {
+  // One deadline for the whole window. Every Work is waited on even after a failure, so the
+  // first error is reported only once nothing of the window is left running unobserved.
+  const auto start = Clock::now();
+  std::exception_ptr first;
+  for (auto& w : works_) {
+    auto left = timeout;
+    if (timeout.count() > 0) {
+      left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+      if (left.count() <= 0) left = std::chrono::milliseconds(1);
+    }
+    try {
+      w->wait(left);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CoalescedWork::getFuture() {
+  auto all = make_tensor_list_future();
+  if (works_.empty()) {
+    all->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
+    return all;
+  }
+  struct Join {
+    std::mutex mu;
+    std::size_t left;
+    std::exception_ptr error;
+  };
+  auto join = std::make_shared<Join>();
+  join->left = works_.size();
+  auto outputs = result();
+  for (auto& w : works_) {
+    w->getFuture()->addCallback([join, all, outputs](c10::ivalue::Future& f) {
+      bool last = false;
+      std::exception_ptr e;
+      {
+        std::lock_guard<std::mutex> lk(join->mu);
+        if (f.hasError() && !join->error) join->error = f.exception_ptr();
+        last = --join->left == 0;
+        e = join->error;
+      }
+      if (!last) return;
+      if (e) {
+        all->setError(e);
+      } else {
+        all->markCompleted(c10::IValue(outputs));
+      }
+    });
+  }
+  return all;
+}
+
+}  // namespace commux::c10d_detail

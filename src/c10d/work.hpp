@@ -1,0 +1,120 @@
+// src/c10d/work.hpp -- the c10d::Work types of the "ucx" backend (internal).
+//
+// Who owns what:
+//   * P2PWork holds the commux::Request and the tensors it reads or writes. The backend keeps every
+//     P2PWork in its in-flight list until the request completes, so dropping the Python Work early
+//     never frees a buffer UCX is still using.
+//   * A collective is a Task: the worker thread owns it (tensors included) until it has run; the
+//     CollWork shares the Task to wait on it and to hand out its future.
+//   * CoalescedWork holds the Works issued inside one coalescing window.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "commux/communicator.hpp"
+
+namespace commux {
+class ProcessGroupUCX;
+
+namespace c10d_detail {
+
+using Clock = std::chrono::steady_clock;
+
+// Converts a commux::Error (or anything else) into the exception torch users expect:
+// invalid input -> c10::ValueError (Python ValueError), the rest -> c10::DistBackendError.
+std::exception_ptr to_torch_error(std::exception_ptr e);
+[[noreturn]] void throw_torch_error(std::exception_ptr e);
+
+c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future();
+
+struct Task {
+  const char* op_name = "";
+  c10d::OpType type = c10d::OpType::UNKNOWN;
+  std::uint32_t tag = 0;
+  Clock::time_point deadline;
+  std::vector<at::Tensor> keep_alive;  // inputs (and scratch) the body reads
+  std::vector<at::Tensor> outputs;     // what result() and the future report
+  std::function<void(std::uint32_t, Clock::time_point)> body;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e);
+};
+
+class CollWork final : public c10d::Work {
+ public:
+  CollWork(int rank, std::shared_ptr<Task> task, std::chrono::milliseconds default_timeout,
+           std::string where);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override { return task_->outputs; }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return task_->future; }
+
+ private:
+  std::shared_ptr<Task> task_;
+  std::chrono::milliseconds default_timeout_;
+  std::string where_;
+};
+
+class P2PWork final : public c10d::Work {
+ public:
+  P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::Tensor> tensors,
+          std::chrono::milliseconds default_timeout);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override { return tensors_; }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+  bool done() const noexcept { return request_.done(); }
+  Request& request() { return request_; }
+  // Completes the future (if one was handed out) once the request is done; true when finished.
+  bool poll_future();
+
+ private:
+  friend class commux::ProcessGroupUCX;
+  Request request_;
+  std::vector<at::Tensor> tensors_;
+  std::chrono::milliseconds default_timeout_;
+  std::mutex future_mu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::function<void(c10::intrusive_ptr<P2PWork>)> watch_;  // hands the work to the watcher
+};
+
+class CoalescedWork final : public c10d::Work {
+ public:
+  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+
+}  // namespace c10d_detail
+}  // namespace commux
