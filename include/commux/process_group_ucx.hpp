@@ -63,6 +63,11 @@ class ProcessGroupUCX : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   Communicator& communicator() { return *comm_; }
 
+  // Sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper uses them): the number of
+  // collectives this group has issued, equal on every rank that issued the same calls.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override;
+
   // Point-to-point: tags are honoured exactly (0 .. 2^32-1).
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
                                       int tag) override;
@@ -155,6 +160,7 @@ class ProcessGroupUCX : public c10d::Backend {
   std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;
+  std::uint64_t collectives_issued_ = 0;
   // In-flight work the backend keeps alive (and its tensors) until it completes.
   std::list<c10::intrusive_ptr<c10d_detail::P2PWork>> inflight_;
   std::thread worker_;

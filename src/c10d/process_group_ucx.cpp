@@ -239,6 +239,11 @@ void ProcessGroupUCX::shutdown() {
   inflight_.clear();  // everything was cancelled and completed by comm_->shutdown()
 }
 
+uint64_t ProcessGroupUCX::getSequenceNumberForGroup() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return collectives_issued_;
+}
+
 // --- the worker thread ------------------------------------------------------------------------
 
 void ProcessGroupUCX::worker_loop() {
@@ -288,6 +293,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::enqueue(c10d::OpType type, const
     }
     t->tag = next_tag_;
     next_tag_ += ntags;
+    ++collectives_issued_;
     queue_.push_back(t);
   }
   cv_.notify_one();
