@@ -1,0 +1,220 @@
+"""Work objects (futures, waits, completion polling) and concurrent subgroups."""
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp
+from helpers import check_equal, make
+from suite import worlds
+
+pytestmark = pytest.mark.ucx
+
+
+def _flat(value):
+    """A future's value as a flat list of tensors (backends nest allgather outputs differently)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    out = []
+    for v in value:
+        out.extend(_flat(v))
+    return out
+
+
+def _futures(ctx):
+    W, me = ctx.world, ctx.rank
+    tri = float(W * (W + 1) // 2)
+    res = {}
+    for group, name in ((None, "test"), (ctx.ref, "gloo")):
+        x = torch.full((1001,), float(me + 1))
+        work = dist.all_reduce(x, async_op=True, group=group)
+        val = work.get_future().wait()
+        assert isinstance(val, list) and len(val) == 1, f"{name}: all_reduce future value {val!r}"
+        check_equal(f"{name}: all_reduce future value", val[0], torch.full((1001,), tri))
+        check_equal(f"{name}: all_reduce tensor after the future", x, torch.full((1001,), tri))
+
+        b = make(0, 333, "float32", salt="fb") if me == 0 else torch.zeros(333)
+        val = dist.broadcast(b, src=0, async_op=True, group=group).get_future().wait()
+        assert len(_flat(val)) == 1, f"{name}: broadcast future value {val!r}"
+        check_equal(f"{name}: broadcast future value", _flat(val)[0], make(0, 333, "float32", salt="fb"))
+
+        outs = [torch.zeros(17) for _ in range(W)]
+        val = dist.all_gather(outs, torch.full((17,), float(me)), async_op=True, group=group).get_future().wait()
+        flat = _flat(val)
+        assert len(flat) == W, f"{name}: all_gather future value has {len(flat)} tensors, want {W}"
+        for r in range(W):
+            check_equal(f"{name}: all_gather future value [{r}]", flat[r], torch.full((17,), float(r)))
+            check_equal(f"{name}: all_gather output [{r}]", outs[r], torch.full((17,), float(r)))
+
+        # chained like a DDP comm hook
+        y = torch.full((5,), 1.0)
+        fut = dist.all_reduce(y, async_op=True, group=group).get_future().then(lambda f: f.value()[0] * 2)
+        check_equal(f"{name}: then() chain", fut.wait(), torch.full((5,), 2.0 * W))
+
+        # wait(timeout) on an op that completes: returns True, is_completed() afterwards
+        z = torch.ones(3)
+        w = dist.all_reduce(z, async_op=True, group=group)
+        ok = w.wait(timeout=timedelta(seconds=30))
+        assert ok is True, f"{name}: wait(timeout) returned {ok!r}"
+        assert w.is_completed(), f"{name}: is_completed() False after wait()"
+        res[name] = "ok"
+    return res
+
+
+@worlds()
+def test_futures_and_wait(ranks, ws):
+    assert ranks.run(_futures, timeout=30) == [{"test": "ok", "gloo": "ok"}] * ws
+
+
+def _is_completed(ctx, poll_only):
+    """is_completed() answers at once while the op is pending. With ``poll_only`` the ops are then
+    driven to completion by polling is_completed() alone, never calling wait() before it is True
+    (the `while not work.is_completed(): do_other_work()` pattern)."""
+    W, me = ctx.world, ctx.rank
+    out = {}
+
+    def finish(w, what):
+        if poll_only:
+            deadline = time.monotonic() + 15
+            while not w.is_completed():
+                if time.monotonic() > deadline:
+                    mp.soft_fail(f"{what}: is_completed() still False after 15s of polling without "
+                                 "wait(): polling does not drive progress")
+                    break
+                time.sleep(0.001)
+        w.wait()
+        if not w.is_completed():
+            mp.soft_fail(f"{what}: is_completed() False after wait()")
+
+    if me == 0:
+        buf = torch.zeros(1000)
+        w = dist.irecv(buf, src=1, tag=42)
+        t0 = time.monotonic()
+        flags = [w.is_completed() for _ in range(200)]
+        took = time.monotonic() - t0
+        if any(flags):
+            mp.soft_fail("irecv reported complete before the peer sent anything")
+        if took >= 1.0:
+            mp.soft_fail(f"200 is_completed() calls took {took:.2f}s: it blocks")
+        out["pending_polls_s"] = took
+        dist.barrier(group=ctx.ref)  # now rank 1 sends
+        finish(w, "irecv")
+        check_equal("irecv payload", buf, make(1, 1000, "float32", salt="ic"))
+    elif me == 1:
+        dist.barrier(group=ctx.ref)
+        dist.send(make(1, 1000, "float32", salt="ic"), dst=0, tag=42)
+    else:
+        dist.barrier(group=ctx.ref)
+
+    # a collective that cannot finish while the last rank sleeps
+    x = torch.ones(64)
+    if me == W - 1:
+        time.sleep(0.5)
+    w = dist.all_reduce(x, async_op=True)
+    if me == 0:
+        t0 = time.monotonic()
+        c = w.is_completed()
+        took = time.monotonic() - t0
+        if took >= 0.2:
+            mp.soft_fail(f"is_completed() on a pending all_reduce took {took:.2f}s")
+        if c:
+            mp.soft_fail("all_reduce reported complete while a rank had not joined")
+    finish(w, "all_reduce")
+    check_equal("all_reduce after polling", x, torch.full((64,), float(W)))
+    return out
+
+
+@worlds(2, 3)
+def test_is_completed_never_blocks(ranks, ws):
+    ranks.run(_is_completed, False, timeout=40)
+
+
+@pytest.mark.ucx_semantics  # gloo's recv Work only completes inside wait()
+@worlds(2)
+def test_polling_is_completed_drives_progress(ranks, ws):
+    ranks.run(_is_completed, True, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+def _subgroups(ctx):
+    """Groups [0,1], [2,3], overlapping [1,2] and a second all-rank group, used at once with async
+    collectives and p2p on the same tag: no cross-talk."""
+    me = ctx.rank
+    if "sub" not in ctx.cache:
+        ctx.cache["sub"] = {
+            "g01": dist.new_group([0, 1]), "g23": dist.new_group([2, 3]),
+            "g12": dist.new_group([1, 2]), "gall": dist.new_group([0, 1, 2, 3]),
+        }
+    g = ctx.cache["sub"]
+    member = {"g01": me in (0, 1), "g23": me in (2, 3), "g12": me in (1, 2), "gall": True}
+    base = {"g01": 10.0, "g23": 100.0, "g12": 1000.0, "gall": 10000.0}
+    ranks_of = {"g01": [0, 1], "g23": [2, 3], "g12": [1, 2], "gall": [0, 1, 2, 3]}
+    works, checks = [], []
+    # collectives on every group I belong to, all in flight together
+    for name in ("g12", "gall", "g01", "g23"):
+        if not member[name]:
+            continue
+        x = torch.full((1001,), base[name] * (me + 1))
+        works.append(dist.all_reduce(x, group=g[name], async_op=True))
+        checks.append((f"all_reduce on {name}", x, torch.full((1001,), base[name] * sum(r + 1 for r in ranks_of[name]))))
+        outs = [torch.zeros(7) for _ in ranks_of[name]]
+        works.append(dist.all_gather(outs, torch.full((7,), base[name] + me), group=g[name], async_op=True))
+        for i, r in enumerate(ranks_of[name]):
+            checks.append((f"all_gather on {name} from {r}", outs[i], torch.full((7,), base[name] + r)))
+    # p2p, tag 5 everywhere; 1 -> 2 on both g12 and gall (same pair, same tag, different groups)
+    sends = [("g01", 0, 1), ("g23", 3, 2), ("g12", 1, 2), ("gall", 1, 2), ("g12", 2, 1), ("gall", 0, 3)]
+    recv_posts = []
+    for name, src, dst in sends:
+        if me == dst:
+            recv_posts.append((name, src))
+    for name, src in reversed(recv_posts):  # receiver posts in the opposite order
+        buf = torch.zeros(513)
+        works.append(dist.irecv(buf, src=src, group=g[name], tag=5))
+        checks.append((f"p2p {src}->{me} on {name}", buf, make(src, 513, "float32", salt=f"sub{name}")))
+    for name, src, dst in sends:
+        if me == src:
+            works.append(dist.isend(make(src, 513, "float32", salt=f"sub{name}"), dst=dst, group=g[name], tag=5))
+    for w in works:
+        w.wait()
+    for what, got, want in checks:
+        check_equal(what, got, want)
+    return len(checks)
+
+
+@worlds(4)
+@pytest.mark.parametrize("rep", [1, 2])
+def test_concurrent_subgroups(ranks, ws, rep):
+    ranks.run(_subgroups, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+def _many_in_flight(ctx):
+    """Many async collectives of different kinds and sizes in flight at once on one group, waited
+    in reverse order: each lands in its own output."""
+    W, me = ctx.world, ctx.rank
+    works, checks = [], []
+    for i in range(12):
+        n = [1, 1001, 70_000][i % 3]
+        x = torch.full((n,), float(me + i))
+        works.append(dist.all_reduce(x, async_op=True))
+        checks.append((f"all_reduce #{i}", x, torch.full((n,), float(sum(r + i for r in range(W))))))
+        root = i % W
+        b = torch.full((n,), float(100 + i)) if me == root else torch.zeros(n)
+        works.append(dist.broadcast(b, src=root, async_op=True))
+        checks.append((f"broadcast #{i} from {root}", b, torch.full((n,), float(100 + i))))
+        o = torch.zeros(W * 3)
+        works.append(dist.all_gather_into_tensor(o, torch.full((3,), float(me * 10 + i)), async_op=True))
+        checks.append((f"all_gather_into_tensor #{i}", o,
+                       torch.tensor([float(r * 10 + i) for r in range(W) for _ in range(3)])))
+    for w in reversed(works):
+        w.wait()
+    for what, got, want in checks:
+        check_equal(what, got, want)
+    return len(checks)
+
+
+@worlds()
+def test_many_async_collectives_in_flight(ranks, ws):
+    ranks.run(_many_in_flight, timeout=60)
