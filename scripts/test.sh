@@ -35,10 +35,11 @@ if [ -f bench/run_bench.py ]; then
   .venv/bin/python bench/run_bench.py build --quick --settle 0 --out results/p2p-smoke
 fi
 
-if [ -d python/tests ] || [ -d tests/python ]; then
-  echo "== Python tests"
+echo "== Python package (pip install . --no-build-isolation) and its tests"
+scripts/install.sh
+if [ -d python/tests ]; then
   set +e
-  .venv/bin/python -m pytest -q
+  .venv/bin/python -m pytest -q python/tests
   rc=$?
   set -e
   if [ $rc -eq 5 ]; then echo "pytest: no tests collected"; elif [ $rc -ne 0 ]; then exit $rc; fi
