@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <set>
 #include <sstream>
 
@@ -69,6 +70,29 @@ std::vector<std::string> query_transports(ucp_context_h context) {
   return out;
 }
 
+// Engines still running when the process exits (a program, or Python, that never shut its
+// communicators down) are shut down by an atexit handler. It is registered after UCX's libraries
+// were loaded and initialised, so it runs before their destructors: without it the progress thread
+// can be inside ucp_worker_progress while UCX tears itself down, and the exit crashes.
+struct LiveEngines {
+  std::mutex mu;
+  std::set<Engine*> engines;
+};
+
+LiveEngines& live_engines() {
+  static LiveEngines* live = [] {
+    auto* l = new LiveEngines();  // never destroyed: the atexit handler may run after statics go
+    std::atexit([] {
+      LiveEngines& le = live_engines();
+      std::lock_guard<std::mutex> lk(le.mu);
+      for (Engine* e : le.engines) e->shutdown();
+      le.engines.clear();
+    });
+    return l;
+  }();
+  return *live;
+}
+
 }  // namespace
 
 Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options)
@@ -90,7 +114,14 @@ Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options
   }
 }
 
-Engine::~Engine() { shutdown(); }
+Engine::~Engine() {
+  {
+    LiveEngines& le = live_engines();
+    std::lock_guard<std::mutex> lk(le.mu);  // waits while the atexit handler shuts us down
+    le.engines.erase(this);
+  }
+  shutdown();
+}
 
 void Engine::start() {
   use_wakeup_ = options_.wakeup == Options::Wakeup::kOn ||
@@ -184,6 +215,11 @@ void Engine::start() {
     check_status(created, "init: connecting to peer " + std::to_string(peer));
   }
   progress_thread_ = std::thread([this] { progress_thread_main(); });
+  {
+    LiveEngines& le = live_engines();
+    std::lock_guard<std::mutex> lk(le.mu);
+    le.engines.insert(this);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
