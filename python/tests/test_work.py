@@ -218,3 +218,38 @@ def _many_in_flight(ctx):
 @worlds()
 def test_many_async_collectives_in_flight(ranks, ws):
     ranks.run(_many_in_flight, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+def _background(ctx):
+    """Operations progress while the caller computes: a 16 MiB isend/irecv (rendezvous, several
+    round trips inside UCX) and a 16 MiB async all_reduce are posted, then every rank sleeps without
+    touching them. Right after the sleep, ONE is_completed() call must already be True. (That call
+    drives at most one progress step itself, which cannot finish a rendezvous transfer.)"""
+    W, me = ctx.world, ctx.rank
+    n = 4 << 20  # float32 elements: 16 MiB
+    peer = me ^ 1
+    works = []
+    if peer < W:
+        out = make(me, n, "float32", salt="bg")
+        inp = torch.zeros(n)
+        works.append(("irecv", dist.irecv(inp, src=peer, tag=77)))
+        works.append(("isend", dist.isend(out, dst=peer, tag=77)))
+    x = torch.full((n,), float(me + 1))
+    works.append(("all_reduce", dist.all_reduce(x, async_op=True)))
+    time.sleep(2.0)  # "compute": no wait(), no polling
+    late = [what for what, w in works if not w.is_completed()]
+    if late:
+        mp.soft_fail(f"not complete after 2 s of computing without waiting: {late}")
+    for _, w in works:
+        w.wait()
+    if peer < W:
+        check_equal("16 MiB irecv payload", inp, make(peer, n, "float32", salt="bg"))
+    check_equal("16 MiB all_reduce", x, torch.full((n,), float(W * (W + 1) // 2)))
+    return len(works)
+
+
+@pytest.mark.ucx_semantics  # gloo drives its p2p only inside wait()
+@worlds(2, 3)
+def test_operations_progress_while_caller_computes(ranks, ws):
+    ranks.run(_background, timeout=60)
