@@ -44,6 +44,7 @@ class ProcessGroupUCX;
 namespace c10d_detail {
 struct Task;
 class CollWork;
+class FutureWatcher;
 class P2PWork;
 }  // namespace c10d_detail
 
@@ -144,7 +145,6 @@ class ProcessGroupUCX : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
   coll::Context context(const char* op_name, std::uint32_t tag,
                         std::chrono::steady_clock::time_point deadline);
-  void watch_future(c10::intrusive_ptr<c10d_detail::P2PWork> work);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   void worker_loop();
   void reap_locked();
@@ -164,9 +164,8 @@ class ProcessGroupUCX : public c10d::Backend {
   // In-flight work the backend keeps alive (and its tensors) until it completes.
   std::list<c10::intrusive_ptr<c10d_detail::P2PWork>> inflight_;
   std::thread worker_;
-  // p2p Works whose future was asked for: the watcher thread completes those futures.
-  std::vector<c10::intrusive_ptr<c10d_detail::P2PWork>> watched_;
-  std::thread watcher_;
+  // Completes the futures of p2p Works (shared with the Works through weak_ptrs).
+  std::shared_ptr<c10d_detail::FutureWatcher> watcher_;
   bool shut_down_ = false;
 
   // Coalescing windows, per issuing thread.

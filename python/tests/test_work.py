@@ -253,3 +253,36 @@ def _background(ctx):
 @worlds(2, 3)
 def test_operations_progress_while_caller_computes(ranks, ws):
     ranks.run(_background, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+def _p2p_futures(ctx):
+    """A p2p Work's future resolves to its tensor: asked for while the receive is still pending
+    (the peer sends only after a barrier), and asked for after completion."""
+    me = ctx.rank
+    if me == 0:
+        buf = torch.zeros(4097)
+        w = dist.irecv(buf, src=1, tag=9)
+        fut = w.get_future()  # pending: completed later by commux's watcher
+        dist.barrier(group=ctx.ref)
+        val = fut.wait()
+        assert isinstance(val, list) and len(val) == 1, f"irecv future value {val!r}"
+        check_equal("irecv future value", val[0], make(1, 4097, "float32", salt="pf"))
+        check_equal("irecv buffer", buf, make(1, 4097, "float32", salt="pf"))
+        w2 = dist.irecv(buf, src=1, tag=10)
+        w2.wait()
+        check_equal("future after completion", w2.get_future().wait()[0], make(1, 4097, "float32", salt="pg"))
+    elif me == 1:
+        dist.barrier(group=ctx.ref)
+        w = dist.isend(make(1, 4097, "float32", salt="pf"), dst=0, tag=9)
+        w.get_future().wait()
+        dist.send(make(1, 4097, "float32", salt="pg"), dst=0, tag=10)
+    else:
+        dist.barrier(group=ctx.ref)
+    return True
+
+
+@pytest.mark.ucx_semantics
+@worlds(2, 3)
+def test_p2p_futures(ranks, ws):
+    ranks.run(_p2p_futures, timeout=30)

@@ -205,6 +205,7 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }
+  watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
   worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -229,7 +230,7 @@ void ProcessGroupUCX::shutdown() {
   // collective the worker is running fails promptly instead of waiting for its deadline.
   if (comm_) comm_->shutdown();
   if (worker_.joinable()) worker_.join();
-  if (watcher_.joinable()) watcher_.join();
+  watcher_->stop();  // after comm_->shutdown(): every request has finished
   for (auto& t : left) {
     t->finish(std::make_exception_ptr(Error(
         Errc::kCanceled, std::string("commux ") + t->op_name + ": the process group (" + where() +
@@ -366,53 +367,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::post_p2p(c10d::OpType type, cons
   }
   auto w = c10::make_intrusive<P2PWork>(getRank(), type, std::move(r), tensors, timeout_);
   if (!w->done()) {
-    w->watch_ = [this](c10::intrusive_ptr<P2PWork> p) { watch_future(std::move(p)); };
+    w->watcher_ = watcher_;
     std::lock_guard<std::mutex> lk(mu_);
     reap_locked();
     inflight_.push_back(w);
   }
   return track(w);
-}
-
-void ProcessGroupUCX::watch_future(c10::intrusive_ptr<P2PWork> w) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (stopping_) return;
-  watched_.push_back(std::move(w));
-  if (!watcher_.joinable()) {
-    watcher_ = std::thread([this] {
-      auto idle = std::chrono::microseconds(20);
-      for (;;) {
-        std::vector<c10::intrusive_ptr<P2PWork>> batch;
-        {
-          std::lock_guard<std::mutex> g(mu_);
-          if (stopping_) {
-            batch.swap(watched_);
-          } else {
-            batch = watched_;
-          }
-        }
-        bool any = false;
-        for (auto& p : batch) {
-          if (stopping_) p->request().cancel();
-          if (p->poll_future()) any = true;
-        }
-        if (any) {
-          std::lock_guard<std::mutex> g(mu_);
-          watched_.erase(std::remove_if(watched_.begin(), watched_.end(),
-                                        [](const c10::intrusive_ptr<P2PWork>& p) { return p->done(); }),
-                         watched_.end());
-          idle = std::chrono::microseconds(20);
-        } else {
-          idle = std::min(idle * 2, std::chrono::microseconds(2000));
-        }
-        {
-          std::lock_guard<std::mutex> g(mu_);
-          if (stopping_ && watched_.empty()) return;
-        }
-        std::this_thread::sleep_for(idle);
-      }
-    });
-  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,

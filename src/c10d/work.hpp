@@ -18,7 +18,9 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "commux/communicator.hpp"
@@ -73,6 +75,27 @@ class CollWork final : public c10d::Work {
   std::string where_;
 };
 
+class P2PWork;
+
+// Completes the futures of p2p Works once their requests finish (a p2p Work has no thread of its
+// own that would notice). Owned by the backend through a shared_ptr; Works hold a weak_ptr, so a
+// Work that outlives its backend never calls into freed memory.
+class FutureWatcher {
+ public:
+  ~FutureWatcher() { stop(); }
+  void add(c10::intrusive_ptr<P2PWork> work);  // starts the polling thread on first use
+  // Joins the thread. Call after the communicator is shut down (every request is then finished):
+  // the futures still watched are completed, with the request's error where it has one.
+  void stop();
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::vector<c10::intrusive_ptr<P2PWork>> watched_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
 class P2PWork final : public c10d::Work {
  public:
   P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::Tensor> tensors,
@@ -93,12 +116,13 @@ class P2PWork final : public c10d::Work {
 
  private:
   friend class commux::ProcessGroupUCX;
+  friend class FutureWatcher;
   Request request_;
   std::vector<at::Tensor> tensors_;
   std::chrono::milliseconds default_timeout_;
   std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::function<void(c10::intrusive_ptr<P2PWork>)> watch_;  // hands the work to the watcher
+  std::weak_ptr<FutureWatcher> watcher_;
 };
 
 class CoalescedWork final : public c10d::Work {
