@@ -1,5 +1,5 @@
 // The torch adapter: maps tensors, dtypes, ReduceOps and c10d::Work onto commux's point-to-point
-// (src/core) and collectives (src/collectives). No ucp_* here.
+// (src/core) and collectives (src/collectives). No UCX calls here.
 #include "commux/process_group_ucx.hpp"
 
 #include <ATen/ATen.h>
@@ -171,6 +171,27 @@ void check_root(const char* op, int64_t root, int size) {
     invalid(op, "root rank " + std::to_string(root) + " is outside the group (size " +
                     std::to_string(size) + ")");
   }
+}
+
+// The root's list of `size` tensors like `ref` (gather's outputs, scatter's inputs); the other
+// ranks pass no tensors there.
+std::vector<at::Tensor> root_list(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
+                                  const at::Tensor& ref, bool is_root, int root, int size,
+                                  const std::string& what) {
+  if (!is_root) {
+    if (!lists.empty() && !lists[0].empty()) {
+      invalid(op, "only the root (rank " + std::to_string(root) + ") takes " + what + " tensors");
+    }
+    return {};
+  }
+  if (lists.size() != 1 || lists[0].size() != static_cast<std::size_t>(size)) {
+    invalid(op, "the root expects one " + what + " list of " + std::to_string(size) + " tensors, got " +
+                    (lists.size() == 1 ? std::to_string(lists[0].size()) + " tensors"
+                                       : std::to_string(lists.size()) + " lists"));
+  }
+  const std::string each = what + " tensor";
+  for (auto& t : lists[0]) check_same(op, ref, t, each.c_str());
+  return lists[0];
 }
 
 std::size_t nbytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
@@ -605,16 +626,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<a
   const at::Tensor in = single(op, inputs);
   check_root(op, opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> outs;
-  if (getRank() == root) {
-    if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(getSize())) {
-      invalid(op, "the root expects one output list of " + std::to_string(getSize()) + " tensors");
-    }
-    for (auto& o : outputs[0]) check_same(op, in, o, "output tensor");
-    outs = outputs[0];
-  } else if (!outputs.empty() && !outputs[0].empty()) {
-    invalid(op, "only the root (rank " + std::to_string(root) + ") takes output tensors");
-  }
+  const std::vector<at::Tensor> outs = root_list(op, outputs, in, getRank() == root, root, getSize(),
+                                                 "output");
   return enqueue(c10d::OpType::GATHER, op, opts.timeout, {in}, outs,
                  [this, in, outs, root, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat;
@@ -636,16 +649,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(std::vector<at::Tensor>&
   const at::Tensor out = single(op, outputs);
   check_root(op, opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> ins;
-  if (getRank() == root) {
-    if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(getSize())) {
-      invalid(op, "the root expects one input list of " + std::to_string(getSize()) + " tensors");
-    }
-    for (auto& i : inputs[0]) check_same(op, out, i, "input tensor");
-    ins = inputs[0];
-  } else if (!inputs.empty() && !inputs[0].empty()) {
-    invalid(op, "only the root (rank " + std::to_string(root) + ") takes input tensors");
-  }
+  const std::vector<at::Tensor> ins = root_list(op, inputs, out, getRank() == root, root, getSize(),
+                                                "input");
   return enqueue(c10d::OpType::SCATTER, op, opts.timeout, ins, {out},
                  [this, ins, out, root, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat;
