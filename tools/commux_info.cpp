@@ -1,10 +1,7 @@
 // commux_info: what commux would use in this process -- UCX version, transports, memory types,
 // the UCX defaults commux applies, and the UCX_* settings found in the environment.
-// Starts a one-rank communicator (with a throw-away FileStore) to ask UCX, then exits.
-#include <unistd.h>
-
+// Asks UCX through commux::probe_runtime (a one-rank communicator), prints, exits.
 #include <cstdio>
-#include <filesystem>
 #include <string>
 
 #include "commux/communicator.hpp"
@@ -21,17 +18,9 @@ void print_list(const char* title, const std::vector<std::string>& items) {
 }  // namespace
 
 int main() {
-  char tmpl[] = "/tmp/commux-info-XXXXXX";
-  const char* dir = ::mkdtemp(tmpl);
-  if (dir == nullptr) {
-    std::perror("commux_info: mkdtemp");
-    return 1;
-  }
-  int rc = 0;
   try {
-    commux::Communicator comm(std::make_shared<commux::FileStore>(dir), 0, 1);
-    const commux::RuntimeInfo& info = comm.runtime_info();
-    const commux::Options& o = comm.options();
+    const commux::Options o = commux::Options::from_env();
+    const commux::RuntimeInfo info = commux::probe_runtime(o);
     std::printf("%-22s %s\n", "UCX version", info.ucx_version.c_str());
     print_list("transports", info.transports);
     print_list("memory types", info.memory_types);
@@ -44,8 +33,7 @@ int main() {
     std::printf("%-22s %lld ms\n", "default timeout", static_cast<long long>(o.timeout.count()));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "commux_info: %s\n", e.what());
-    rc = 1;
+    return 1;
   }
-  std::filesystem::remove_all(dir);
-  return rc;
+  return 0;
 }

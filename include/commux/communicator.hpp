@@ -111,6 +111,10 @@ struct RuntimeInfo {
   bool event_fd = false;                   // waits sleep on the worker's fd (else yielding poll)
 };
 
+// What UCX offers this process with these options: starts a one-rank communicator on a throw-away
+// FileStore and returns its RuntimeInfo (commux_info and `python -m commux.info` print it).
+RuntimeInfo probe_runtime(const Options& options = Options::from_env());
+
 class Communicator {
  public:
   Communicator(std::shared_ptr<Store> store, int rank, int size,

@@ -19,6 +19,7 @@
 // i.e. its own UCX worker and endpoints, so groups cannot cross-talk.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -168,7 +169,9 @@ class ProcessGroupUCX : public c10d::Backend {
   std::shared_ptr<c10d_detail::FutureWatcher> watcher_;
   bool shut_down_ = false;
 
-  // Coalescing windows, per issuing thread.
+  // Coalescing windows, per issuing thread; open_windows_ lets ops skip the lock when none is open
+  // (a window is opened and used by one thread, so that thread sees its own increment).
+  std::atomic<int> open_windows_{0};
   std::mutex coalesce_mu_;
   std::vector<std::pair<std::thread::id, std::vector<c10::intrusive_ptr<c10d::Work>>>> windows_;
 };

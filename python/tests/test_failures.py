@@ -78,6 +78,10 @@ def _recv_never_sent(ctx):
             out["wait"]["msg"] = "irecv itself raised: " + out["wait"]["msg"]
         # ... then a blocking recv on the default group that must give up after the group timeout
         out["recv"] = expect_raises(lambda: dist.recv(torch.zeros(10), src=1, tag=7))
+        # ... and a p2p future that nothing completes settles with an error too, not never
+        if BACKEND != "gloo":
+            out["future"] = expect_raises(
+                lambda: dist.irecv(torch.zeros(10), src=1, tag=9).get_future().wait())
     finally:
         touch(flag)
     return out
@@ -112,6 +116,16 @@ def test_recv_timeout_error_names_op_peer_and_tag():
     if not mentions_number(msg, ("tag",), 7):
         problems.append("the tag (7)")
     assert not problems, f"timeout error does not name {', '.join(problems)}: {r['type']}: {msg!r}"
+
+
+@pytest.mark.ucx_semantics
+def test_p2p_future_fails_after_group_timeout():
+    outs, _ = recv_timeout_run()
+    assert outs[0].ok, _describe(outs)
+    r = outs[0].value["future"]
+    assert r["raised"], f"irecv(...).get_future().wait() returned after {r['s']:.1f}s with nothing sent"
+    assert PG_TIMEOUT - 0.5 <= r["s"] <= PG_TIMEOUT + 5, f"future failed after {r['s']:.2f}s: {r['msg']}"
+    assert mentions(r["msg"], "recv"), f"the future's error does not name the op: {r['msg']!r}"
 
 
 def test_work_wait_timeout_is_honoured():

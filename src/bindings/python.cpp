@@ -10,33 +10,28 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "commux/process_group_ucx.hpp"
-#include "commux/store.hpp"
 
 namespace py = pybind11;
 
 namespace {
 
 py::dict runtime_info() {
-  // A one-rank communicator over a private FileStore: reports what this process's UCX can do.
-  char dir[] = "/tmp/commux-info-XXXXXX";
-  if (mkdtemp(dir) == nullptr) throw std::runtime_error("commux info: mkdtemp failed");
-  py::dict d;
+  const commux::Options o = commux::Options::from_env();
+  commux::RuntimeInfo i;
   {
-    commux::Options o = commux::Options::from_env();
-    commux::Communicator c(std::make_shared<commux::FileStore>(dir), 0, 1, o);
-    const auto& i = c.runtime_info();
-    d["ucx_version"] = i.ucx_version;
-    d["transports"] = i.transports;
-    d["memory_types"] = i.memory_types;
-    d["applied_defaults"] = i.applied_defaults;
-    d["user_settings"] = i.user_settings;
-    d["event_fd"] = i.event_fd;
-    d["packing"] = o.packing == commux::Packing::kIov ? "iov (COMMUX_COALESCE)" : "parts";
-    d["spin_us"] = o.spin.count();
-    d["shutdown_timeout_ms"] = o.shutdown_timeout.count();
+    py::gil_scoped_release nogil;
+    i = commux::probe_runtime(o);
   }
-  std::string cmd = std::string("rm -rf '") + dir + "'";
-  (void)std::system(cmd.c_str());
+  py::dict d;
+  d["ucx_version"] = i.ucx_version;
+  d["transports"] = i.transports;
+  d["memory_types"] = i.memory_types;
+  d["applied_defaults"] = i.applied_defaults;
+  d["user_settings"] = i.user_settings;
+  d["event_fd"] = i.event_fd;
+  d["packing"] = o.packing == commux::Packing::kIov ? "iov (COMMUX_COALESCE)" : "parts";
+  d["spin_us"] = o.spin.count();
+  d["shutdown_timeout_ms"] = o.shutdown_timeout.count();
   return d;
 }
 

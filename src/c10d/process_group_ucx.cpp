@@ -173,6 +173,20 @@ void check_root(const char* op, int64_t root, int size) {
   }
 }
 
+// `big` must hold `size` times the elements of `small` in the same dtype (allgather's output,
+// reduce-scatter's input); the names appear in the message ("output 2", ...).
+void check_blocks(const char* op, const at::Tensor& small, const std::string& small_name,
+                  const at::Tensor& big, const std::string& big_name, int size) {
+  check_tensor(op, small, small_name.c_str());
+  check_tensor(op, big, big_name.c_str());
+  if (big.scalar_type() != small.scalar_type() || big.numel() != small.numel() * size) {
+    invalid(op, big_name + " must have the " + small_name + "'s dtype and " + std::to_string(size) +
+                    " times its elements (" + small_name + ": " + std::to_string(small.numel()) +
+                    " " + c10::toString(small.scalar_type()) + ", " + big_name + ": " +
+                    std::to_string(big.numel()) + " " + c10::toString(big.scalar_type()) + ")");
+  }
+}
+
 // The root's list of `size` tensors like `ref` (gather's outputs, scatter's inputs); the other
 // ranks pass no tensors there.
 std::vector<at::Tensor> root_list(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
@@ -323,12 +337,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::enqueue(c10d::OpType type, const
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::track(c10::intrusive_ptr<c10d::Work> work) {
+  if (open_windows_.load(std::memory_order_acquire) == 0) return work;  // the p2p fast path
   std::lock_guard<std::mutex> lk(coalesce_mu_);
-  if (!windows_.empty()) {
-    const auto me = std::this_thread::get_id();
-    for (auto& w : windows_) {
-      if (w.first == me) w.second.push_back(work);
-    }
+  const auto me = std::this_thread::get_id();
+  for (auto& w : windows_) {
+    if (w.first == me) w.second.push_back(work);
   }
   return work;
 }
@@ -420,6 +433,7 @@ void ProcessGroupUCX::startCoalescing() {
     if (w.first == me) invalid("startCoalescing", "a coalescing window is already open on this thread");
   }
   windows_.emplace_back(me, std::vector<c10::intrusive_ptr<c10d::Work>>{});
+  open_windows_.fetch_add(1, std::memory_order_release);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
@@ -432,6 +446,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
     if (it == windows_.end()) invalid("endCoalescing", "no coalescing window is open on this thread");
     works = std::move(it->second);
     windows_.erase(it);
+    open_windows_.fetch_sub(1, std::memory_order_release);
   }
   return c10::make_intrusive<CoalescedWork>(getRank(), std::move(works));
 }
@@ -545,14 +560,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::AllgatherOptions& opts) {
   const char* op = "_allgather_base";
-  check_tensor(op, input, "input");
-  check_tensor(op, output, "output");
-  if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * getSize()) {
-    invalid(op, "output must have the input's dtype and " + std::to_string(getSize()) +
-                    " times its elements (input " + std::to_string(input.numel()) + " " +
-                    c10::toString(input.scalar_type()) + ", output " +
-                    std::to_string(output.numel()) + " " + c10::toString(output.scalar_type()) + ")");
-  }
+  check_blocks(op, input, "input", output, "output", getSize());
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, op, opts.timeout, {in}, {out},
                  [this, in, out, op](std::uint32_t tag, Clock::time_point dl) {
@@ -599,13 +607,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
   const char* op = "allgather_into_tensor_coalesced";
   if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(op, inputs[i], "input");
-    check_tensor(op, outputs[i], "output");
-    if (outputs[i].scalar_type() != inputs[i].scalar_type() ||
-        outputs[i].numel() != inputs[i].numel() * getSize()) {
-      invalid(op, "output " + std::to_string(i) + " must have its input's dtype and " +
-                      std::to_string(getSize()) + " times its elements");
-    }
+    const std::string n = " " + std::to_string(i);
+    check_blocks(op, inputs[i], "input" + n, outputs[i], "output" + n, getSize());
   }
   auto ins = inputs;
   auto outs = outputs;
@@ -699,13 +702,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const char* op = "_reduce_scatter_base";
-  check_tensor(op, input, "input");
-  check_tensor(op, output, "output");
-  if (output.scalar_type() != input.scalar_type() || input.numel() != output.numel() * getSize()) {
-    invalid(op, "input must have the output's dtype and " + std::to_string(getSize()) +
-                    " times its elements (input " + std::to_string(input.numel()) + ", output " +
-                    std::to_string(output.numel()) + ")");
-  }
+  check_blocks(op, output, "output", input, "input", getSize());
   const Reduction r = to_reduction(op, opts.reduceOp, output.scalar_type());
   at::Tensor in = input, out = output;
   const int size = getSize();
@@ -724,13 +721,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
   if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
   std::vector<Reduction> rs;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(op, inputs[i], "input");
-    check_tensor(op, outputs[i], "output");
-    if (outputs[i].scalar_type() != inputs[i].scalar_type() ||
-        inputs[i].numel() != outputs[i].numel() * getSize()) {
-      invalid(op, "input " + std::to_string(i) + " must have its output's dtype and " +
-                      std::to_string(getSize()) + " times its elements");
-    }
+    const std::string n = " " + std::to_string(i);
+    check_blocks(op, outputs[i], "output" + n, inputs[i], "input" + n, getSize());
     rs.push_back(to_reduction(op, opts.reduceOp, outputs[i].scalar_type()));
   }
   auto ins = inputs;

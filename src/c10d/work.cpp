@@ -98,7 +98,8 @@ P2PWork::P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::T
     : c10d::Work(rank, type),
       request_(std::move(request)),
       tensors_(std::move(tensors)),
-      default_timeout_(default_timeout) {}
+      default_timeout_(default_timeout),
+      posted_(Clock::now()) {}
 
 bool P2PWork::isCompleted() { return request_.done() || request_.test(); }
 
@@ -147,12 +148,35 @@ c10::intrusive_ptr<c10::ivalue::Future> P2PWork::getFuture() {
   return future_;
 }
 
+namespace {
+const char* p2p_name(c10d::OpType t) {
+  switch (t) {
+    case c10d::OpType::SEND: return "send";
+    case c10d::OpType::RECV: return "recv";
+    case c10d::OpType::RECVANYSOURCE: return "recvAnysource";
+    default: return "p2p";
+  }
+}
+}  // namespace
+
 bool P2PWork::poll_future() {
-  if (!request_.done() && !request_.test()) return false;
   c10::intrusive_ptr<c10::ivalue::Future> f;
   {
     std::lock_guard<std::mutex> lk(future_mu_);
     f = future_;
+  }
+  if (!request_.done() && !request_.test()) {
+    // Like wait(), the future does not outlive the group timeout: it fails, naming the op, while
+    // the operation itself stays posted (the backend keeps its tensors alive).
+    if (f && Clock::now() < posted_ + default_timeout_) return false;
+    if (f && !f->completed()) {
+      f->setError(to_torch_error(std::make_exception_ptr(Error(
+          Errc::kTimeout, std::string("commux ") + p2p_name(retrieveOpType()) +
+                              ": the future timed out after " +
+                              std::to_string(default_timeout_.count()) +
+                              " ms; the operation is still posted"))));
+    }
+    return true;
   }
   if (f && !f->completed()) {
     if (auto e = request_.error()) {
@@ -187,12 +211,17 @@ void FutureWatcher::loop() {
       if (stopping_) return;
       batch = watched_;
     }
-    bool any = false;
-    for (auto& p : batch) any = p->poll_future() || any;
-    if (any) {
+    std::vector<P2PWork*> settled;
+    for (auto& p : batch) {
+      if (p->poll_future()) settled.push_back(p.get());
+    }
+    if (!settled.empty()) {
       std::lock_guard<std::mutex> lk(mu_);
       watched_.erase(std::remove_if(watched_.begin(), watched_.end(),
-                                    [](const c10::intrusive_ptr<P2PWork>& p) { return p->done(); }),
+                                    [&](const c10::intrusive_ptr<P2PWork>& p) {
+                                      return std::find(settled.begin(), settled.end(), p.get()) !=
+                                             settled.end();
+                                    }),
                      watched_.end());
       idle = std::chrono::microseconds(20);
     } else {

@@ -111,7 +111,8 @@ class P2PWork final : public c10d::Work {
 
   bool done() const noexcept { return request_.done(); }
   Request& request() { return request_; }
-  // Completes the future (if one was handed out) once the request is done; true when finished.
+  // Settles the future (if one was handed out): with the result once the request is done, or with
+  // a timeout error once the group timeout has passed since posting. True when settled.
   bool poll_future();
 
  private:
@@ -120,6 +121,7 @@ class P2PWork final : public c10d::Work {
   Request request_;
   std::vector<at::Tensor> tensors_;
   std::chrono::milliseconds default_timeout_;
+  Clock::time_point posted_;
   std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::weak_ptr<FutureWatcher> watcher_;

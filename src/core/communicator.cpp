@@ -1,7 +1,11 @@
 #include "commux/communicator.hpp"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 
 #include "engine.hpp"
 
@@ -112,6 +116,24 @@ std::exception_ptr Request::error() const {
 void Request::cancel() {
   require(op_);
   op_->engine->cancel(*op_);
+}
+
+RuntimeInfo probe_runtime(const Options& options) {
+  char tmpl[] = "/tmp/commux-probe-XXXXXX";
+  const char* dir = ::mkdtemp(tmpl);
+  if (dir == nullptr) {
+    throw Error(Errc::kInvalidArgument, std::string("commux probe: mkdtemp in /tmp failed: ") +
+                                            std::strerror(errno));
+  }
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  Communicator comm(std::make_shared<FileStore>(dir), 0, 1, options);
+  return comm.runtime_info();
 }
 
 // --- Communicator ----------------------------------------------------------------------------
