@@ -51,6 +51,10 @@ struct Options {
   std::chrono::milliseconds shutdown_timeout{std::chrono::milliseconds(3000)};
   // How multi-buffer messages travel; every rank must agree (a mismatch is detected and reported).
   Packing packing = Packing::kParts;
+  // COMMUX_GROUP: the torch backend defers the point-to-point operations issued inside a
+  // coalescing window (startCoalescing .. endCoalescing) and posts them together at its end,
+  // receives first. Wire-compatible with a peer that does not defer. (Unused by the core itself.)
+  bool defer_in_window = false;
   // Waiting on the worker's event fd needs UCX's wakeup feature, which UCX grants only by dropping
   // every transport without wakeup events -- shared memory among them. kAuto uses it only when the
   // user's UCX_TLS allows no shared-memory transport (e.g. UCX_TLS=tcp); otherwise the progress
@@ -62,7 +66,8 @@ struct Options {
   // Keys in the store are "<store_prefix>/...".
   std::string store_prefix = "commux";
 
-  // Defaults overridden by the environment: COMMUX_COALESCE=1 (packing = kIov),
+  // Defaults overridden by the environment: COMMUX_COALESCE=1 (packing = kIov), COMMUX_GROUP=1
+  // (defer_in_window),
   // COMMUX_SPIN_US, COMMUX_TIMEOUT_MS, COMMUX_SHUTDOWN_TIMEOUT_MS, COMMUX_WAKEUP=auto|on|off.
   static Options from_env();
 };

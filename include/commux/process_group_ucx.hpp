@@ -45,6 +45,7 @@ class ProcessGroupUCX;
 namespace c10d_detail {
 struct Task;
 class CollWork;
+class DeferredWork;
 class FutureWatcher;
 class P2PWork;
 }  // namespace c10d_detail
@@ -79,7 +80,9 @@ class ProcessGroupUCX : public c10d::Backend {
                                                int tag) override;
 
   // The coalescing window (batch_isend_irecv, _coalescing_manager): the Work endCoalescing returns
-  // covers every operation issued on this thread's group since startCoalescing.
+  // covers every operation issued on this thread's group since startCoalescing. With
+  // COMMUX_GROUP=1 the sends and receives of the window are not posted when issued but together
+  // at endCoalescing, receives first (so the peer's messages find them posted).
   bool supportsCoalescing() const override { return true; }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -143,6 +146,10 @@ class ProcessGroupUCX : public c10d::Backend {
                                          std::uint32_t ntags = 1);
   c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, const char* op_name,
                                           std::vector<at::Tensor>& tensors, int peer, int tag);
+  // Posts a validated send or receive now.
+  c10::intrusive_ptr<c10d_detail::P2PWork> post_now(c10d::OpType type,
+                                                    const std::vector<at::Tensor>& tensors,
+                                                    int peer, int tag);
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
   coll::Context context(const char* op_name, std::uint32_t tag,
                         std::chrono::steady_clock::time_point deadline);
@@ -171,9 +178,22 @@ class ProcessGroupUCX : public c10d::Backend {
 
   // Coalescing windows, per issuing thread; open_windows_ lets ops skip the lock when none is open
   // (a window is opened and used by one thread, so that thread sees its own increment).
+  struct Deferred {
+    c10d::OpType type;
+    std::vector<at::Tensor> tensors;
+    int peer;
+    int tag;
+    c10::intrusive_ptr<c10d_detail::DeferredWork> work;
+  };
+  struct Window {
+    std::thread::id thread;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<Deferred> deferred;  // COMMUX_GROUP=1: p2p ops posted at endCoalescing
+  };
+  bool defer_in_window_ = false;
   std::atomic<int> open_windows_{0};
   std::mutex coalesce_mu_;
-  std::vector<std::pair<std::thread::id, std::vector<c10::intrusive_ptr<c10d::Work>>>> windows_;
+  std::vector<Window> windows_;
 };
 
 }  // namespace commux

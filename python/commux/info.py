@@ -28,6 +28,7 @@ def main() -> int:
     print(f"backends      {', '.join(commux.BACKEND_NAMES)} (devices cpu, cuda)")
     print("settings in effect:")
     print(f"  packing of multi-tensor messages: {info['packing']}")
+    print(f"  p2p ops in a coalescing window: {info['coalescing_window']}")
     print(f"  waits: spin {info['spin_us']} us, then "
           f"{'sleep on the worker event fd' if info['event_fd'] else 'backoff polling by the progress thread'}")
     print(f"  shutdown bound: {info['shutdown_timeout_ms']} ms")

@@ -30,6 +30,8 @@ py::dict runtime_info() {
   d["user_settings"] = i.user_settings;
   d["event_fd"] = i.event_fd;
   d["packing"] = o.packing == commux::Packing::kIov ? "iov (COMMUX_COALESCE)" : "parts";
+  d["coalescing_window"] = o.defer_in_window ? "deferred, posted together (COMMUX_GROUP)"
+                                             : "posted at once";
   d["spin_us"] = o.spin.count();
   d["shutdown_timeout_ms"] = o.shutdown_timeout.count();
   return d;

@@ -20,6 +20,7 @@ namespace commux {
 using c10d_detail::Clock;
 using c10d_detail::CoalescedWork;
 using c10d_detail::CollWork;
+using c10d_detail::DeferredWork;
 using c10d_detail::P2PWork;
 using c10d_detail::Task;
 
@@ -235,6 +236,7 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
   commux::Options o = commux::Options::from_env();
   o.timeout = timeout;
   o.group = group_number(group_name_);
+  defer_in_window_ = o.defer_in_window;
   try {
     comm_ = std::make_unique<Communicator>(std::make_shared<C10dStore>(store), rank, size, o);
   } catch (...) {
@@ -341,7 +343,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::track(c10::intrusive_ptr<c10d::W
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   const auto me = std::this_thread::get_id();
   for (auto& w : windows_) {
-    if (w.first == me) w.second.push_back(work);
+    if (w.thread == me) w.works.push_back(work);
   }
   return work;
 }
@@ -379,6 +381,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::post_p2p(c10d::OpType type, cons
     invalid(op_name, "tag " + std::to_string(tag) + " is negative; tags are 0 .. 2^31-1 (" +
                          where() + ")");
   }
+  for (const auto& t : tensors) check_tensor(op_name, t);
+  if (defer_in_window_ && open_windows_.load(std::memory_order_acquire) > 0) {
+    std::lock_guard<std::mutex> lk(coalesce_mu_);
+    const auto me = std::this_thread::get_id();
+    for (auto& w : windows_) {
+      if (w.thread != me) continue;
+      auto d = c10::make_intrusive<DeferredWork>(getRank(), type, op_name, tensors);
+      w.deferred.push_back(Deferred{type, tensors, peer, tag, d});
+      w.works.push_back(d);
+      return d;
+    }
+  }
+  return track(post_now(type, tensors, peer, tag));
+}
+
+c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
+                                                      const std::vector<at::Tensor>& tensors,
+                                                      int peer, int tag) {
   Buffer bufs[8];
   std::vector<Buffer> many;
   Buffer* b = bufs;
@@ -387,15 +407,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::post_p2p(c10d::OpType type, cons
     b = many.data();
   }
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    check_tensor(op_name, tensors[i]);
     b[i] = Buffer{tensors[i].data_ptr(), nbytes(tensors[i]), MemoryType::kHost};
   }
   Request r;
   try {
-    r = is_send ? comm_->post_send(b, tensors.size(), peer, TagKind::kUser,
-                                   static_cast<std::uint32_t>(tag), /*fast_completion=*/true)
-                : comm_->post_recv(b, tensors.size(), peer, TagKind::kUser,
-                                   static_cast<std::uint32_t>(tag));
+    r = type == c10d::OpType::SEND
+            ? comm_->post_send(b, tensors.size(), peer, TagKind::kUser,
+                               static_cast<std::uint32_t>(tag), /*fast_completion=*/true)
+            : comm_->post_recv(b, tensors.size(), peer, TagKind::kUser,
+                               static_cast<std::uint32_t>(tag));
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }
@@ -406,7 +426,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::post_p2p(c10d::OpType type, cons
     reap_locked();
     inflight_.push_back(w);
   }
-  return track(w);
+  return w;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,
@@ -430,25 +450,38 @@ void ProcessGroupUCX::startCoalescing() {
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   const auto me = std::this_thread::get_id();
   for (auto& w : windows_) {
-    if (w.first == me) invalid("startCoalescing", "a coalescing window is already open on this thread");
+    if (w.thread == me) invalid("startCoalescing", "a coalescing window is already open on this thread");
   }
-  windows_.emplace_back(me, std::vector<c10::intrusive_ptr<c10d::Work>>{});
+  windows_.push_back(Window{me, {}, {}});
   open_windows_.fetch_add(1, std::memory_order_release);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  Window win;
   {
     std::lock_guard<std::mutex> lk(coalesce_mu_);
     const auto me = std::this_thread::get_id();
     auto it = std::find_if(windows_.begin(), windows_.end(),
-                           [&](const auto& w) { return w.first == me; });
+                           [&](const Window& w) { return w.thread == me; });
     if (it == windows_.end()) invalid("endCoalescing", "no coalescing window is open on this thread");
-    works = std::move(it->second);
+    win = std::move(*it);
     windows_.erase(it);
     open_windows_.fetch_sub(1, std::memory_order_release);
   }
-  return c10::make_intrusive<CoalescedWork>(getRank(), std::move(works));
+  // COMMUX_GROUP: post the deferred ops, receives first, each kind in issue order (the order in
+  // which same-tag messages from one sender match is kept). A post that fails fails its own Work;
+  // the window's Work reports it.
+  for (const bool receives : {true, false}) {
+    for (auto& d : win.deferred) {
+      if ((d.type == c10d::OpType::SEND) == receives) continue;
+      try {
+        d.work->bind(post_now(d.type, d.tensors, d.peer, d.tag));
+      } catch (...) {
+        d.work->fail(std::current_exception());
+      }
+    }
+  }
+  return c10::make_intrusive<CoalescedWork>(getRank(), std::move(win.works));
 }
 
 // --- collectives --------------------------------------------------------------------------------

@@ -252,6 +252,100 @@ void FutureWatcher::stop() {
 
 // --- CoalescedWork ---------------------------------------------------------------------------
 
+// --- DeferredWork ------------------------------------------------------------------------------
+
+DeferredWork::DeferredWork(int rank, c10d::OpType type, const char* op_name,
+                           std::vector<at::Tensor> tensors)
+    : c10d::Work(rank, type), op_name_(op_name), tensors_(std::move(tensors)) {}
+
+void DeferredWork::not_posted(const char* what) const {
+  C10_THROW_ERROR(ValueError, std::string("commux ") + op_name_ + ": " + what +
+                                  " before endCoalescing(): with COMMUX_GROUP=1 the operations of "
+                                  "a coalescing window are posted when it ends (wait on the Work "
+                                  "endCoalescing() returns)");
+}
+
+namespace {
+void forward_future(c10::intrusive_ptr<c10::ivalue::Future> to, c10d::Work& from) {
+  from.getFuture()->addCallback([to](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      to->setError(f.exception_ptr());
+    } else {
+      to->markCompleted(f.value());
+    }
+  });
+}
+}  // namespace
+
+void DeferredWork::bind(c10::intrusive_ptr<c10d::Work> real) {
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    real_ = std::move(real);
+    f = future_;
+  }
+  if (f) forward_future(f, *real_);
+}
+
+void DeferredWork::fail(std::exception_ptr e) {
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    error_ = to_torch_error(e);
+    f = future_;
+  }
+  if (f) f->setError(error_);
+}
+
+bool DeferredWork::isCompleted() {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (real_) {
+    auto r = real_;
+    lk.unlock();
+    return r->isCompleted();
+  }
+  return error_ != nullptr;
+}
+
+bool DeferredWork::isSuccess() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return real_ && real_->isSuccess();
+}
+
+std::exception_ptr DeferredWork::exception() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return real_ ? real_->exception() : error_;
+}
+
+int DeferredWork::sourceRank() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!real_) not_posted("sourceRank() was asked for");
+  return real_->sourceRank();
+}
+
+bool DeferredWork::wait(std::chrono::milliseconds timeout) {
+  c10::intrusive_ptr<c10d::Work> r;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (error_) std::rethrow_exception(error_);
+    if (!real_) not_posted("wait() was called");
+    r = real_;
+  }
+  return r->wait(timeout);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> DeferredWork::getFuture() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (real_) return real_->getFuture();
+  if (!future_) {
+    future_ = make_tensor_list_future();
+    if (error_) future_->setError(error_);
+  }
+  return future_;
+}
+
+// --- CoalescedWork -----------------------------------------------------------------------------
+
 CoalescedWork::CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works)
     : c10d::Work(rank, c10d::OpType::COALESCED), works_(std::move(works)) {}
 

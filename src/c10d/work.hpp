@@ -127,6 +127,33 @@ class P2PWork final : public c10d::Work {
   std::weak_ptr<FutureWatcher> watcher_;
 };
 
+// A send or receive issued inside a coalescing window with COMMUX_GROUP=1: nothing is posted until
+// endCoalescing(), which binds the real Work (or the error the post raised). Waiting on it before
+// then is refused: it would wait for something this thread has not posted yet.
+class DeferredWork final : public c10d::Work {
+ public:
+  DeferredWork(int rank, c10d::OpType type, const char* op_name, std::vector<at::Tensor> tensors);
+  void bind(c10::intrusive_ptr<c10d::Work> real);
+  void fail(std::exception_ptr e);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override { return tensors_; }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  [[noreturn]] void not_posted(const char* what) const;
+  const char* op_name_;
+  std::vector<at::Tensor> tensors_;
+  mutable std::mutex mu_;
+  c10::intrusive_ptr<c10d::Work> real_;
+  std::exception_ptr error_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // handed out before bind()
+};
+
 class CoalescedWork final : public c10d::Work {
  public:
   CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works);

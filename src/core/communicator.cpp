@@ -48,6 +48,7 @@ const char* memory_type_name(MemoryType m) noexcept {
 Options Options::from_env() {
   Options o;
   if (env_flag("COMMUX_COALESCE")) o.packing = Packing::kIov;
+  o.defer_in_window = env_flag("COMMUX_GROUP");
   o.spin = std::chrono::microseconds(env_long("COMMUX_SPIN_US", o.spin.count()));
   o.timeout = std::chrono::milliseconds(env_long("COMMUX_TIMEOUT_MS", o.timeout.count()));
   o.shutdown_timeout = std::chrono::milliseconds(
