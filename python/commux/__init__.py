@@ -1,7 +1,6 @@
 """commux: the UCX backend for torch.distributed.
 
-    import commux
-    commux.register()                      # backends "ucx" and "commux", cpu and cuda
+    import commux                          # registers the backends "ucx" and "commux"
     dist.init_process_group("ucx")         # under torchrun
 
 or, portably:
@@ -110,6 +109,10 @@ def runtime_info() -> dict:
     """What this process's UCX offers and which settings commux applies (see commux.info)."""
     return dict(_C.runtime_info())
 
+
+# Importing the package is enough to use backend="ucx" (as with other out-of-tree backends);
+# register() stays available and idempotent.
+register()
 
 __all__ = [
     "ProcessGroupUCX",
