@@ -166,6 +166,8 @@ class ProcessGroupUCX : public c10d::Backend {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
+  std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the worker's lock-free polling
+  std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before sleeping
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;
   std::uint64_t collectives_issued_ = 0;

@@ -42,6 +42,7 @@ void Task::finish(std::exception_ptr e) {
     std::lock_guard<std::mutex> lk(mu);
     error = e;
     done = true;
+    finished.store(true, std::memory_order_release);
   }
   cv.notify_all();
   // Future callbacks (DDP comm hooks) run here, on the worker thread, outside our lock.
@@ -76,6 +77,14 @@ std::exception_ptr CollWork::exception() const {
 
 bool CollWork::wait(std::chrono::milliseconds timeout) {
   const auto limit = timeout.count() > 0 ? timeout : default_timeout_;
+  // A short collective finishes within microseconds: poll (yielding the CPU to the worker and the
+  // peer) before paying a futex sleep and wake-up.
+  if (task_->spin.count() > 0 && !task_->finished.load(std::memory_order_acquire)) {
+    const auto until = Clock::now() + task_->spin;
+    while (!task_->finished.load(std::memory_order_acquire) && Clock::now() < until) {
+      std::this_thread::yield();
+    }
+  }
   std::unique_lock<std::mutex> lk(task_->mu);
   // The task itself fails at its deadline; the extra second only covers the wake-up.
   const bool finished =

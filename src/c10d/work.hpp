@@ -52,6 +52,8 @@ struct Task {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
+  std::atomic<bool> finished{false};  // = done, readable without the lock (waiters spin on it)
+  std::chrono::microseconds spin{0};  // how long wait() polls `finished` before it sleeps
   std::exception_ptr error;
 
   void finish(std::exception_ptr e);
