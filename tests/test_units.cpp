@@ -2,10 +2,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <string>
+#include <vector>
 #include <thread>
 
 #include "commux/communicator.hpp"
+#include "commux/transports.hpp"
 
 using namespace commux;
 using namespace commux::tag_layout;
@@ -169,4 +173,120 @@ TEST(TcpStoreTest, NoServerIsATimeoutNamingTheAddress) {
     EXPECT_EQ(e.code(), Errc::kTimeout);
     EXPECT_NE(std::string(e.what()).find("127.0.0.1:1"), std::string::npos) << e.what();
   }
+}
+
+// ---- transport choice by accelerator (inputs injected: no GPU needed) --------------------------
+
+namespace {
+
+using commux::Accelerator;
+using commux::choose_transports;
+
+const std::vector<std::string> kCudaUcx = {"self", "tcp", "sysv", "posix", "cma", "cuda_copy",
+                                           "cuda_ipc", "gdr_copy"};
+const std::vector<std::string> kCudaNoIpc = {"self", "tcp", "posix", "cuda_copy"};
+const std::vector<std::string> kRocmUcx = {"self", "tcp", "posix", "rocm_cpy", "rocm_ipc", "rocm_gdr"};
+const std::vector<std::string> kZeUcx = {"self", "tcp", "posix", "ze_copy", "ze_ipc"};
+const std::vector<std::string> kHostUcx = {"self", "tcp", "sysv", "posix", "cma"};
+
+bool any_warning_has(const commux::TransportChoice& c, const std::string& text) {
+  for (const auto& w : c.warnings) {
+    if (w.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST(Transports, CudaTakesCopyPlusIpcAndGdrWhenPresent) {
+  auto c = choose_transports(Accelerator::kCuda, kCudaUcx, nullptr);
+  EXPECT_EQ(c.transports, (std::vector<std::string>{"cuda_copy", "cuda_ipc", "gdr_copy"}));
+  EXPECT_TRUE(c.copy_available);
+  EXPECT_TRUE(c.copy_allowed);
+  EXPECT_TRUE(c.warnings.empty());
+  c = choose_transports(Accelerator::kCuda, kCudaNoIpc, nullptr);
+  EXPECT_EQ(c.transports, (std::vector<std::string>{"cuda_copy"}));  // never an absent one
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(Transports, RocmTakesRocmCopyAndIpcNeverCuda) {
+  const auto c = choose_transports(Accelerator::kRocm, kRocmUcx, nullptr);
+  EXPECT_EQ(c.transports, (std::vector<std::string>{"rocm_copy", "rocm_ipc"}));
+  EXPECT_EQ(c.copy_transport, "rocm_copy");
+  EXPECT_TRUE(c.warnings.empty());
+  // A ROCm build on a UCX with CUDA transports only: nothing CUDA is named, and a warning says
+  // rocm_copy is missing.
+  const auto d = choose_transports(Accelerator::kRocm, kCudaUcx, nullptr);
+  EXPECT_TRUE(d.transports.empty());
+  EXPECT_FALSE(d.copy_available);
+  EXPECT_TRUE(any_warning_has(d, "no rocm_copy"));
+}
+
+TEST(Transports, XpuTakesZeCopy) {
+  const auto c = choose_transports(Accelerator::kXpu, kZeUcx, nullptr);
+  ASSERT_FALSE(c.transports.empty());
+  EXPECT_EQ(c.transports.front(), "ze_copy");
+  EXPECT_TRUE(c.warnings.empty());
+  // The bug this guards against: an Intel GPU must not be handed cuda_copy.
+  const auto d = choose_transports(Accelerator::kXpu, kCudaUcx, nullptr);
+  EXPECT_TRUE(d.transports.empty());
+  EXPECT_TRUE(any_warning_has(d, "no ze_copy"));
+}
+
+TEST(Transports, UnknownAcceleratorGetsNoCopyTransportAndAWarning) {
+  const auto c = choose_transports(Accelerator::kUnknown, kCudaUcx, nullptr, "mps");
+  EXPECT_TRUE(c.transports.empty());
+  EXPECT_TRUE(c.copy_transport.empty());
+  EXPECT_TRUE(any_warning_has(c, "'mps'"));
+}
+
+TEST(Transports, CpuOnlyNeedsNothing) {
+  const auto c = choose_transports(Accelerator::kNone, kHostUcx, "tcp");
+  EXPECT_TRUE(c.transports.empty());
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(Transports, CudaOnAHostOnlyUcxWarnsWithTheFix) {
+  const auto c = choose_transports(Accelerator::kCuda, kHostUcx, nullptr);
+  EXPECT_TRUE(c.transports.empty());
+  EXPECT_FALSE(c.copy_available);
+  EXPECT_TRUE(any_warning_has(c, "no cuda_copy"));
+  EXPECT_TRUE(any_warning_has(c, "libucx-cu13"));
+}
+
+TEST(Transports, UserAllowListIsCheckedNeverChanged) {
+  // Lacks the copy transport: a warning naming it; the choice still reports what UCX has.
+  auto c = choose_transports(Accelerator::kCuda, kCudaUcx, "tcp,sm");
+  EXPECT_FALSE(c.copy_allowed);
+  EXPECT_TRUE(any_warning_has(c, "UCX_TLS=tcp,sm does not include cuda_copy"));
+  EXPECT_TRUE(any_warning_has(c, "leaves your UCX_TLS"));
+  // Names it, through the transport, an alias, a qualifier, or "all": no warning.
+  for (const char* tls : {"tcp,cuda_copy", "sm,cuda", "cuda_copy:aux,tcp", "all"}) {
+    c = choose_transports(Accelerator::kCuda, kCudaUcx, tls);
+    EXPECT_TRUE(c.copy_allowed) << tls;
+    EXPECT_TRUE(c.warnings.empty()) << tls;
+  }
+  c = choose_transports(Accelerator::kRocm, kRocmUcx, "tcp,rocm");
+  EXPECT_TRUE(c.copy_allowed);
+}
+
+TEST(Transports, DenyListIsLeftAloneAndOnlyWarnedAboutWhenItDeniesTheCopy) {
+  auto c = choose_transports(Accelerator::kCuda, kCudaUcx, "^cma");
+  EXPECT_TRUE(c.copy_allowed);
+  EXPECT_TRUE(c.warnings.empty());
+  // "^all" would deny everything; "all" in a deny list is not an allow.
+  c = choose_transports(Accelerator::kCuda, kCudaUcx, "^cuda_copy,cma");
+  EXPECT_FALSE(c.copy_allowed);
+  EXPECT_TRUE(any_warning_has(c, "excludes cuda_copy"));
+  c = choose_transports(Accelerator::kCuda, kCudaUcx, "^cuda");
+  EXPECT_FALSE(c.copy_allowed);
+}
+
+TEST(Transports, ProbeListsWhatThisUcxHasWhateverUcxTlsSays) {
+  const auto all = commux::ucx_available_transports();
+  EXPECT_NE(std::find(all.begin(), all.end(), "self"), all.end());
+  ::setenv("UCX_TLS", "tcp", 1);
+  const auto again = commux::ucx_available_transports();
+  ::unsetenv("UCX_TLS");
+  EXPECT_EQ(all, again);
 }

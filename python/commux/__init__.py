@@ -61,6 +61,9 @@ _registered = False
 
 def _creator(name):
     def create(dist_opts, backend_opts=None):  # extended_api=True signature
+        from . import transports
+
+        transports.warn_once()  # a UCX or UCX_TLS that cannot carry this device's tensors
         return ProcessGroupUCX(
             dist_opts.store,
             dist_opts.group_rank,
@@ -105,6 +108,13 @@ def get_lib_dir() -> str:
     return os.path.join(os.path.dirname(__file__), "lib")
 
 
+def transport_choice(accelerator: str | None = None) -> dict:
+    """The UCX transports this process's accelerator needs (see commux.transports)."""
+    from . import transports
+
+    return transports.choose(accelerator)
+
+
 def runtime_info() -> dict:
     """What this process's UCX offers and which settings commux applies (see commux.info)."""
     return dict(_C.runtime_info())
@@ -122,4 +132,5 @@ __all__ = [
     "preferred_backend",
     "register",
     "runtime_info",
+    "transport_choice",
 ]

@@ -26,6 +26,15 @@ def main() -> int:
     print(f"transports    {', '.join(info['transports']) or '(none)'}")
     print(f"memory types  {', '.join(info['memory_types']) or '(none)'}")
     print(f"backends      {', '.join(commux.BACKEND_NAMES)} (devices cpu, cuda)")
+    choice = commux.transport_choice()
+    acc = choice["accelerator"]
+    if acc == "none":
+        print("accelerator   none (CPU tensors; no copy transport needed)")
+    else:
+        print(f"accelerator   {acc}: copy transports {', '.join(choice['transports']) or '(none in this UCX)'}"
+              f"{'' if choice['copy_allowed'] else ' (excluded by UCX_TLS)'}")
+    for w in choice["warnings"]:
+        print(f"  warning: {w}")
     print("settings in effect:")
     print(f"  packing of multi-tensor messages: {info['packing']}")
     print(f"  p2p ops in a coalescing window: {info['coalescing_window']}")

@@ -4,12 +4,15 @@
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <optional>
 #include <torch/csrc/utils/pybind.h>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "commux/process_group_ucx.hpp"
+#include "commux/transports.hpp"
 
 namespace py = pybind11;
 
@@ -37,6 +40,29 @@ py::dict runtime_info() {
   return d;
 }
 
+commux::Accelerator parse_accelerator(const std::string& a) {
+  if (a == "none" || a == "cpu") return commux::Accelerator::kNone;
+  if (a == "cuda") return commux::Accelerator::kCuda;
+  if (a == "rocm") return commux::Accelerator::kRocm;
+  if (a == "xpu") return commux::Accelerator::kXpu;
+  return commux::Accelerator::kUnknown;
+}
+
+py::dict choose_transports(const std::string& accelerator,
+                           const std::vector<std::string>& available,
+                           const std::optional<std::string>& user_tls) {
+  const auto c = commux::choose_transports(parse_accelerator(accelerator), available,
+                                           user_tls ? user_tls->c_str() : nullptr, accelerator);
+  py::dict d;
+  d["accelerator"] = commux::accelerator_name(c.accelerator);
+  d["transports"] = c.transports;
+  d["copy_transport"] = c.copy_transport;
+  d["copy_available"] = c.copy_available;
+  d["copy_allowed"] = c.copy_allowed;
+  d["warnings"] = c.warnings;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -57,6 +83,13 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("timeout", &commux::ProcessGroupUCX::timeout);
 
+  m.def("choose_transports", &choose_transports, py::arg("accelerator"), py::arg("available"),
+        py::arg("user_tls") = py::none(),
+        "The UCX transports for an accelerator ('cuda', 'rocm', 'xpu', 'none' or another device "
+        "type), from the transports UCX has and the user's UCX_TLS (None when unset).");
+  m.def("available_transports", &commux::ucx_available_transports,
+        py::call_guard<py::gil_scoped_release>(),
+        "Transports the local UCX has, whatever UCX_TLS says.");
   m.def("runtime_info", &runtime_info,
         "UCX version, transports, memory types and the settings commux applies in this process");
 #ifdef COMMUX_VERSION

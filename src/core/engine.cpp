@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "commux/transports.hpp"
 #include "status.hpp"
 #include "ucx_config.hpp"
 
@@ -822,3 +823,25 @@ void Engine::shutdown() {
 }
 
 }  // namespace commux::detail
+
+namespace commux {
+
+std::vector<std::string> ucx_available_transports() {
+  ucp_config_t* config = nullptr;
+  detail::check_status(ucp_config_read(nullptr, nullptr, &config),
+               "transport probe: reading the UCX configuration");
+  // Every transport, whatever UCX_TLS says: the question is what this UCX has.
+  ucp_config_modify(config, "TLS", "all");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  ucp_context_h context = nullptr;
+  const ucs_status_t st = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  detail::check_status(st, "transport probe: ucp_init");
+  std::vector<std::string> out = detail::query_transports(context);
+  ucp_cleanup(context);
+  return out;
+}
+
+}  // namespace commux
