@@ -71,6 +71,10 @@ struct Rank {
   Snapshots& snaps;
   MemoryType mem = MemoryType::kHost;
   std::uint32_t next_tag = 1;
+  // Context::algorithm per op name passed to ctx() ("allgatherv" counts as "allgather"), and a
+  // prefix for snapshot keys (which algorithm produced them).
+  std::map<std::string, std::string> forced;
+  std::string label;
   int r() const { return comm.rank(); }
   int n() const { return comm.size(); }
   coll::Context ctx(const char* op) {
@@ -80,8 +84,14 @@ struct Rank {
     c.deadline = Clock::now() + std::chrono::seconds(30);
     c.op_name = op;
     c.mem = mem;
+    std::string key = op;
+    if (key == "allgatherv") key = "allgather";
+    if (key == "alltoallv") key = "alltoall";
+    const auto it = forced.find(key);
+    if (it != forced.end()) c.algorithm = it->second.c_str();
     return c;
   }
+  std::string key(const std::string& what) const { return label + what; }
 };
 
 void run_world(int n, const std::function<void(Rank&)>& body, MemoryType mem = MemoryType::kHost) {
@@ -99,7 +109,7 @@ void run_world(int n, const std::function<void(Rank&)>& body, MemoryType mem = M
     threads.emplace_back([&, r] {
       try {
         Communicator comm(store, r, n, default_test_options());
-        Rank rank{comm, snaps, mem};
+        Rank rank{comm, snaps, mem, 1, {}, {}};
         body(rank);
       } catch (const std::exception& e) {
         errors[static_cast<std::size_t>(r)] = e.what();
@@ -171,7 +181,7 @@ void check_allreduce_sum(Rank& k, std::size_t count) {
   }
   coll::allreduce(k.ctx("allreduce"), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
   check_eq(buf, want, tag("allreduce float32 SUM", count));
-  k.snaps.put(tag("allreduce float32 SUM", count), k.r(), buf.data(), count * sizeof(float));
+  k.snaps.put(k.key(tag("allreduce float32 SUM", count)), k.r(), buf.data(), count * sizeof(float));
 }
 
 // Float sums in an order-dependent way: the values differ but must be the same on all ranks.
@@ -181,11 +191,11 @@ void check_allreduce_identical(Rank& k, std::size_t count) {
   std::vector<float> buf(count);
   for (auto& x : buf) x = d(g) * 1e-3f + (static_cast<float>(k.r()) * 1e3f);
   coll::allreduce(k.ctx("allreduce"), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
-  k.snaps.put(tag("allreduce random float32 SUM", count), k.r(), buf.data(), count * sizeof(float));
+  k.snaps.put(k.key(tag("allreduce random float32 SUM", count)), k.r(), buf.data(), count * sizeof(float));
   std::vector<double> h(count);
   for (std::size_t i = 0; i < count; ++i) h[i] = d(g) * 1e10 + i;
   coll::allreduce(k.ctx("allreduce"), h.data(), count, DataType::kFloat64, ReduceOp::kProduct);
-  k.snaps.put(tag("allreduce random float64 PRODUCT", count), k.r(), h.data(), count * sizeof(double));
+  k.snaps.put(k.key(tag("allreduce random float64 PRODUCT", count)), k.r(), h.data(), count * sizeof(double));
 }
 
 void check_allreduce_types(Rank& k, std::size_t count) {
@@ -463,6 +473,118 @@ void all_collectives(Rank& k, bool large) {
   }
 }
 
+// ---- every algorithm of every collective, forced ------------------------------------------------
+
+// Whether `name` handles a call on n ranks (uniform: equal, contiguous allgather parts). Mirrors the
+// algorithms' accepts(); a declined algorithm falls back to the selector's choice.
+bool handles(const std::string& op, const std::string& name, int n, bool uniform = true) {
+  const bool pow2 = (n & (n - 1)) == 0;
+  if (op == "allreduce" && name == "halves") return n == 2;
+  if (op == "broadcast" && name == "scatter_allgather") return n >= 2;
+  if (op == "allgather" && name == "recursive_doubling") return pow2 && uniform;
+  if (op == "allgather" && name == "bruck") return uniform;
+  if (op == "reduce_scatter" && name == "recursive_halving") return pow2;
+  return true;
+}
+
+// The algorithm that ran must be the forced one when it handles the call, another one otherwise.
+void check_ran(Rank& k, const std::string& op, const std::string& name, bool handled) {
+  const std::string ran = coll::last_algorithm();
+  if (handled ? ran != name : ran == name) {
+    check_failed(__FILE__, __LINE__, op + " forced to " + name + " on " + std::to_string(k.n()) +
+                                         " ranks ran '" + ran + "'");
+  }
+}
+
+// Counts 0, 1, odd, not divisible by n, and (large) a few MiB, several roots, the ops and dtypes
+// that exercise the algorithm's code paths (the kernels are tested in test_kernels).
+void forced_suite(Rank& k, const std::string& op, const std::string& name, bool large) {
+  const int n = k.n();
+  const auto nn = static_cast<std::size_t>(n);
+  const std::size_t not_div = nn * 3 + 1;
+  const std::vector<int> roots = n == 1 ? std::vector<int>{0} : std::vector<int>{0, n - 1, n / 2};
+  k.forced.clear();
+  k.forced[op] = name;
+  k.label = op + "/" + name + ": ";
+  const bool h = handles(op, name, n);
+  if (op == "allreduce") {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, nn > 1 ? nn - 1 : 1,
+                              std::size_t{20011}}) {
+      check_allreduce_sum(k, count);
+      check_ran(k, op, name, h);
+    }
+    check_allreduce_identical(k, 13);
+    check_allreduce_identical(k, 20011);
+    check_allreduce_types(k, 9001);
+    if (large) {
+      check_allreduce_sum(k, (std::size_t{1} << 20) + 3);
+      check_allreduce_identical(k, (std::size_t{1} << 20) + 3);
+      check_ran(k, op, name, h);
+    }
+  } else if (op == "broadcast") {
+    for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{5000}}) {
+      for (int root : roots) check_broadcast(k, bytes, root);
+    }
+    check_ran(k, op, name, h);
+    if (large) check_broadcast(k, (std::size_t{3} << 20) + 3, n / 2);
+  } else if (op == "reduce") {
+    for (int root : roots) {
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{20011}}) {
+        check_reduce(k, count, root);
+      }
+    }
+    check_ran(k, op, name, h);
+    if (large) {
+      check_reduce(k, (std::size_t{1} << 20) + 3, n - 1);
+      check_reduce(k, (std::size_t{1} << 20) + 5, 0);
+    }
+  } else if (op == "allgather") {
+    for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{70001}}) {
+      check_allgather(k, bytes);
+    }
+    check_ran(k, op, name, h);
+    std::vector<std::size_t> uneven(nn);
+    for (std::size_t p = 0; p < nn; ++p) uneven[p] = (p % 3 == 1) ? 0 : p * 11 + 5;
+    check_allgatherv(k, uneven, false);
+    check_ran(k, op, name, handles(op, name, n, false));  // gaps: not uniform
+    check_allgatherv(k, uneven, true);
+    if (large) check_allgather(k, (std::size_t{512} << 10) + 1);
+  } else if (op == "reduce_scatter") {
+    std::vector<std::size_t> uneven(nn);
+    for (std::size_t p = 0; p < nn; ++p) uneven[p] = (p % 3 == 1) ? 0 : p * 7 + 3;
+    check_reduce_scatter(k, uneven);
+    check_ran(k, op, name, h);
+    check_reduce_scatter(k, counts_for(n, 0));
+    check_reduce_scatter(k, counts_for(n, 1));
+    check_reduce_scatter(k, counts_for(n, 5003));
+    if (large) {
+      std::vector<std::size_t> big = counts_for(n, (std::size_t{1} << 20) / nn);
+      big[0] += 5;
+      check_reduce_scatter(k, big);
+    }
+  } else if (op == "alltoall") {
+    for (int salt : {0, 1, 2}) check_alltoallv(k, salt);
+    check_ran(k, op, name, h);
+  } else if (op == "barrier") {
+    check_barrier(k);
+    check_ran(k, op, name, h);
+  } else if (op == "gather" || op == "scatter") {
+    k.forced["gather"] = k.forced["scatter"] = name;  // both have binomial and linear
+    for (int root : roots) {
+      for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{70001}}) {
+        check_gather_scatter(k, bytes, root);
+      }
+    }
+    check_ran(k, "scatter", name, h);
+    if (large) check_gather_scatter(k, (std::size_t{1} << 20) + 3, n - 1);
+  }
+  k.forced.clear();
+  k.label.clear();
+}
+
+const std::vector<std::string> kOps = {"allreduce", "broadcast", "reduce", "allgather", "reduce_scatter",
+                                       "alltoall", "barrier", "gather", "scatter"};
+
 }  // namespace
 
 class Threads : public ::testing::TestWithParam<int> {};
@@ -477,6 +599,140 @@ TEST_P(Threads, EveryCollective) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Threads, ::testing::Values(1, 2, 3, 4, 5, 8));
+
+class Forced : public ::testing::TestWithParam<int> {};
+
+// Every algorithm of every collective, forced through Context::algorithm, on worlds of 1..8 ranks.
+TEST_P(Forced, EveryAlgorithmOfEveryCollective) {
+  const int n = GetParam();
+  const bool large = n >= 2 && n <= 5;
+  const auto t0 = Clock::now();
+  run_world(n, [&](Rank& k) {
+    for (const auto& op : kOps) {
+      if (op == "scatter") continue;  // run together with gather
+      for (const auto& name : coll::algorithms(op.c_str())) forced_suite(k, op, name, large);
+    }
+  });
+  std::fprintf(stderr, "[world %d] every algorithm in %.2f s\n", n,
+               std::chrono::duration<double>(Clock::now() - t0).count());
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Forced, ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8));
+
+// The same on the non-host path (host buffers labelled kUnknown: staging, local copies as
+// messages to the rank itself), small counts only.
+TEST(Algorithms, EveryAlgorithmOnTheNonHostPath) {
+  for (int n : {3, 4}) {
+    run_world(n, [&](Rank& k) {
+      for (const auto& op : kOps) {
+        if (op == "scatter") continue;
+        for (const auto& name : coll::algorithms(op.c_str())) forced_suite(k, op, name, false);
+      }
+    }, MemoryType::kUnknown);
+  }
+}
+
+TEST(Algorithms, ListedPerCollective) {
+  EXPECT_EQ(coll::algorithms("allreduce"),
+            (std::vector<std::string>{"recursive_doubling", "halves", "ring", "rabenseifner"}));
+  EXPECT_EQ(coll::algorithms("ALLGATHER"), (std::vector<std::string>{"ring", "recursive_doubling", "bruck"}));
+  EXPECT_EQ(coll::algorithms("allgatherv"), coll::algorithms("allgather"));
+  EXPECT_EQ(coll::algorithms("alltoallv"), (std::vector<std::string>{"pairwise", "linear"}));
+  for (const auto& op : kOps) EXPECT_FALSE(coll::algorithms(op.c_str()).empty()) << op;
+  const std::string m = expect_error(Errc::kInvalidArgument, [] { coll::algorithms("allscatter"); });
+  EXPECT_NE(m.find("unknown collective 'allscatter'"), std::string::npos) << m;
+  EXPECT_NE(m.find("reduce_scatter"), std::string::npos) << m;
+  EXPECT_EQ(std::string(coll::last_algorithm()), "");  // nothing ran on this thread yet
+}
+
+// A forced algorithm that declines falls back to the selector; the selector's choices by size;
+// unknown names fail on every rank before anything is posted, listing the valid names;
+// force_algorithm() and COMMUX_ALGO_<OP> force the same way as Context::algorithm.
+TEST(Algorithms, FallbackSelectionAndUnknownNames) {
+  ::unsetenv("COMMUX_ALGO_ALLREDUCE");
+  run_world(3, [](Rank& k) {
+    std::vector<float> v = contribution(k.r(), 100);
+    auto allreduce = [&](const char* algo, std::size_t count) {
+      coll::Context c = k.ctx("allreduce");
+      c.algorithm = algo;
+      std::vector<float> b = contribution(k.r(), count);
+      coll::allreduce(c, b.data(), count, DataType::kFloat32, ReduceOp::kSum);
+      return std::string(coll::last_algorithm());
+    };
+    CX_CHECK_EQ(allreduce("halves", 100), "recursive_doubling");  // declines 3 ranks: small -> rd
+    CX_CHECK_EQ(allreduce("halves", 100000), "ring");             // large -> ring
+    CX_CHECK_EQ(allreduce(nullptr, 100000), "ring");
+    CX_CHECK_EQ(allreduce("auto", 10), "recursive_doubling");
+    CX_CHECK_EQ(allreduce("rabenseifner", 10), "rabenseifner");
+    {
+      std::vector<unsigned char> in(10, 1), out(30);
+      coll::Context c = k.ctx("allgather");
+      c.algorithm = "recursive_doubling";  // declines 3 ranks: small -> bruck
+      coll::allgather(c, in.data(), 10, out.data());
+      CX_CHECK_EQ(std::string(coll::last_algorithm()), "bruck");
+      c = k.ctx("allgather");
+      coll::allgather(c, in.data(), 10, out.data());
+      CX_CHECK_EQ(std::string(coll::last_algorithm()), "bruck");
+    }
+    {
+      std::vector<std::size_t> counts(3, 4);
+      std::vector<float> in(12, 1.0f), out(4);
+      coll::Context c = k.ctx("reduce_scatter");
+      c.algorithm = "recursive_halving";  // declines 3 ranks -> ring
+      coll::reduce_scatter(c, in.data(), out.data(), counts.data(), DataType::kFloat32, ReduceOp::kSum);
+      CX_CHECK_EQ(std::string(coll::last_algorithm()), "ring");
+    }
+    std::string m = expect_error(Errc::kInvalidArgument, [&] {
+      coll::Context c = k.ctx("allreduce");
+      c.algorithm = "butterfly";
+      coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+    });
+    CX_CHECK_HAS(m, "commux allreduce: unknown allreduce algorithm 'butterfly' (from Context::algorithm)");
+    CX_CHECK_HAS(m, "recursive_doubling, halves, ring, rabenseifner");
+    m = expect_error(Errc::kInvalidArgument, [&] {
+      coll::Context c = k.ctx("gather");
+      c.algorithm = "ring";
+      std::vector<unsigned char> out(12);
+      coll::gather(c, v.data(), 4, out.data(), 0);
+    });
+    CX_CHECK_HAS(m, "unknown gather algorithm 'ring'");
+    CX_CHECK_HAS(m, "binomial, linear");
+    coll::barrier(k.ctx("barrier"));  // nothing was left posted: the world still works
+  });
+  // force_algorithm(): process-wide, validated at once, cleared by nullptr / "auto".
+  std::string m = expect_error(Errc::kInvalidArgument, [] { coll::force_algorithm("allreduce", "tree"); });
+  EXPECT_NE(m.find("recursive_doubling, halves, ring, rabenseifner"), std::string::npos) << m;
+  coll::force_algorithm("allreduce", "rabenseifner");
+  EXPECT_EQ(coll::forced_algorithm("allreduce"), "rabenseifner");
+  run_world(3, [](Rank& k) {
+    std::vector<float> v = contribution(k.r(), 100000);
+    coll::allreduce(k.ctx("allreduce"), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+    CX_CHECK_EQ(std::string(coll::last_algorithm()), "rabenseifner");
+    coll::Context c = k.ctx("allreduce");
+    c.algorithm = "ring";  // Context::algorithm wins
+    coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+    CX_CHECK_EQ(std::string(coll::last_algorithm()), "ring");
+  });
+  coll::force_algorithm("allreduce", "auto");
+  EXPECT_EQ(coll::forced_algorithm("allreduce"), "");
+  // COMMUX_ALGO_ALLREDUCE, read at each call (set here before the ranks start).
+  ::setenv("COMMUX_ALGO_ALLREDUCE", "rabenseifner", 1);
+  EXPECT_EQ(coll::forced_algorithm("allreduce"), "rabenseifner");
+  run_world(3, [](Rank& k) {
+    std::vector<float> v = contribution(k.r(), 100000);
+    coll::allreduce(k.ctx("allreduce"), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+    CX_CHECK_EQ(std::string(coll::last_algorithm()), "rabenseifner");
+  });
+  ::setenv("COMMUX_ALGO_ALLREDUCE", "bogus", 1);
+  run_world(2, [](Rank& k) {
+    std::vector<float> v = contribution(k.r(), 10);
+    const std::string msg = expect_error(Errc::kInvalidArgument, [&] {
+      coll::allreduce(k.ctx("allreduce"), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+    });
+    CX_CHECK_HAS(msg, "unknown allreduce algorithm 'bogus' (from COMMUX_ALGO_ALLREDUCE)");
+  });
+  ::unsetenv("COMMUX_ALGO_ALLREDUCE");
+}
 
 // Buffers of a memory type other than kHost take the device path: reductions staged through host
 // scratch, local copies as messages to the rank itself. Host memory labelled kUnknown (UCX finds

@@ -340,6 +340,248 @@ Prog alltoallv(int r, int n) {
   return p;
 }
 
+// ---- the algorithms added with the selector (algo/*.cpp) ----------------------------------------
+
+// Labels that carry the step and the block range (so also the size): step * 1e6 + lo * 1e3 + hi,
+// plus a chunk index where the algorithm pipelines. Chunk counts are any function of the range
+// both sides agree on; here one that varies.
+long lab(long step, long lo, long hi, long chunk = 0) { return ((step * 1000 + lo) * 1000 + hi) * 16 + chunk; }
+int chunks_of(int lo, int hi) { return 1 + (lo + 2 * hi) % 3; }
+
+// allreduce ring with the chunk-pipelined reduce-scatter (algo/allreduce_ring.cpp).
+Prog allreduce_ring_pipelined(int r, int n, int slots) {
+  Prog p;
+  if (n == 1) return p;
+  const int left = pat::ring_left(r, n), right = pat::ring_right(r, n);
+  std::vector<std::pair<int, int>> items;
+  for (int s = 0; s < n - 1; ++s) {
+    const int b = pat::reduce_scatter_recv_block(r, n, s);
+    for (int j = 0; j < chunks_of(b, b + 1); ++j) items.emplace_back(s, j);
+  }
+  const std::size_t ns = std::min<std::size_t>(static_cast<std::size_t>(slots), items.size());
+  std::vector<int> rid(items.size());
+  auto post = [&](std::size_t i) {
+    const auto [s, j] = items[i];
+    const int b = pat::reduce_scatter_recv_block(r, n, s);
+    rid[i] = p.recv(left, lab(s, b, b + 1, j));
+  };
+  for (std::size_t i = 0; i < ns; ++i) post(i);
+  const int b0 = pat::reduce_scatter_send_block(r, n, 0);
+  for (int j = 0; j < chunks_of(b0, b0 + 1); ++j) p.send(right, lab(0, b0, b0 + 1, j));
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const auto [s, j] = items[i];
+    const int b = pat::reduce_scatter_recv_block(r, n, s);
+    p.wait(rid[i]);
+    if (s + 1 < n - 1) p.send(right, lab(s + 1, b, b + 1, j));
+    if (i + ns < items.size()) post(i + ns);
+  }
+  p.wait_all();
+  ring_allgather(p, r, n);
+  return p;
+}
+
+// recursive halving among the fold's p ranks (algo/halving.cpp), newrank q.
+void halving(Prog& p, int q, int n) {
+  const int pp = pat::pow2_floor(n);
+  const auto steps = pat::recursive_halving(q, pp);
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    const auto& st = steps[k];
+    const int peer = pat::fold_real(st.partner, n);
+    std::vector<int> rids;
+    for (int j = 0; j < chunks_of(st.keep_lo, st.keep_hi); ++j) {
+      rids.push_back(p.recv(peer, lab(static_cast<long>(k), st.keep_lo, st.keep_hi, j)));
+    }
+    for (int j = 0; j < chunks_of(st.send_lo, st.send_hi); ++j) {
+      p.send(peer, lab(static_cast<long>(k), st.send_lo, st.send_hi, j));
+    }
+    for (int id : rids) p.wait(id);
+  }
+  p.wait_all();
+}
+
+void doubling_allgather(Prog& p, int q, int n) {
+  const int pp = pat::pow2_floor(n);
+  long k = 100;
+  for (const auto& st : pat::recursive_doubling_allgather(q, pp)) {
+    const int peer = pat::fold_real(st.partner, n);
+    const int id = p.recv(peer, lab(k, st.recv_lo, st.recv_hi));
+    const int s = p.send(peer, lab(k, st.send_lo, st.send_hi));
+    p.wait(id);
+    p.wait(s);
+    ++k;
+  }
+}
+
+Prog allreduce_rabenseifner(int r, int n) {
+  Prog p;
+  if (n == 1) return p;
+  using Role = pat::RecursiveDoubling::Role;
+  const auto rd = pat::recursive_doubling(r, n);
+  if (rd.role == Role::kFoldOut) {
+    p.wait(p.send(rd.fold_peer, -1));
+    p.wait(p.recv(rd.fold_peer, -2));
+    return p;
+  }
+  if (rd.role == Role::kFoldIn) p.wait(p.recv(rd.fold_peer, -1));
+  const int q = pat::fold_newrank(r, n);
+  halving(p, q, n);
+  doubling_allgather(p, q, n);
+  if (rd.role == Role::kFoldIn) p.send(rd.fold_peer, -2);
+  p.wait_all();
+  return p;
+}
+
+Prog reduce_scatter_halving(int r, int n) {
+  Prog p;
+  if (n > 1) halving(p, r, n);
+  return p;
+}
+
+Prog reduce_rabenseifner(int r, int n, int root) {
+  Prog p;
+  if (n == 1) return p;
+  using Role = pat::RecursiveDoubling::Role;
+  const auto rd = pat::recursive_doubling(r, n);
+  const bool root_out = pat::fold_newrank(root, n) < 0;
+  const int qroot = root_out ? pat::fold_newrank(root + 1, n) : pat::fold_newrank(root, n);
+  if (rd.role == Role::kFoldOut) {
+    p.wait(p.send(rd.fold_peer, -1));
+    if (r == root) p.wait(p.recv(rd.fold_peer, -2));
+    return p;
+  }
+  if (rd.role == Role::kFoldIn) p.wait(p.recv(rd.fold_peer, -1));
+  const int q = pat::fold_newrank(r, n);
+  halving(p, q, n);
+  long k = 200;
+  for (const auto& st : pat::halving_gather(q, qroot, pat::pow2_floor(n))) {
+    const int peer = pat::fold_real(st.partner, n);
+    p.wait(st.send ? p.send(peer, lab(k, st.lo, st.hi)) : p.recv(peer, lab(k, st.lo, st.hi)));
+    ++k;
+  }
+  if (root_out && q == qroot) p.wait(p.send(root, -2));
+  p.wait_all();
+  return p;
+}
+
+Prog allgather_doubling(int r, int n) {
+  Prog p;
+  doubling_allgather(p, r, n);
+  return p;
+}
+
+Prog allgather_bruck(int r, int n) {
+  Prog p;
+  long k = 0;
+  for (const auto& st : pat::bruck(r, n)) {
+    // The label: step and how many blocks (the size).
+    const int id = p.recv(st.recv_from, lab(k, 0, st.blocks));
+    const int s = p.send(st.send_to, lab(k, 0, st.blocks));
+    p.wait(id);
+    p.wait(s);
+    ++k;
+  }
+  return p;
+}
+
+// Binomial gather (algo/gather_binomial.cpp): the label is the relative range sent.
+Prog gather_binomial(int r, int n, int root) {
+  Prog p;
+  if (n == 1) return p;
+  const pat::Tree t = pat::binomial_tree(r, n, root);
+  const int v = pat::relative_rank(r, n, root);
+  const int size = pat::subtree_size(v, n);
+  if (t.children.empty()) {
+    p.send(t.parent, lab(0, v, v + 1));
+    p.wait_all();
+    return p;
+  }
+  std::vector<int> ids;
+  for (int c : t.children) {
+    const int vc = pat::relative_rank(c, n, root);
+    ids.push_back(p.recv(c, lab(0, vc, vc + pat::subtree_size(vc, n))));
+  }
+  for (int id : ids) p.wait(id);
+  if (t.parent >= 0) p.wait(p.send(t.parent, lab(0, v, v + size)));
+  return p;
+}
+
+Prog scatter_binomial(int r, int n, int root) {
+  Prog p;
+  if (n == 1) return p;
+  const pat::Tree t = pat::binomial_tree(r, n, root);
+  const int v = pat::relative_rank(r, n, root);
+  const int size = pat::subtree_size(v, n);
+  if (t.children.empty()) {
+    p.wait(p.recv(t.parent, lab(0, v, v + 1)));
+    return p;
+  }
+  if (r != root) p.wait(p.recv(t.parent, lab(0, v, v + size)));
+  for (int c : t.children) {
+    const int vc = pat::relative_rank(c, n, root);
+    p.send(c, lab(0, vc, vc + pat::subtree_size(vc, n)));
+  }
+  p.wait_all();
+  return p;
+}
+
+// Linear gather / scatter with at most `window` messages in flight at the root.
+Prog gather_linear(int r, int n, int root, int window) {
+  Prog p;
+  if (n == 1) return p;
+  if (r != root) {
+    p.send(root, r);
+    p.wait_all();
+    return p;
+  }
+  std::vector<int> ids(static_cast<std::size_t>(n), -1);
+  int posted = 0;
+  auto post = [&](int i) { ids[static_cast<std::size_t>(i)] = p.recv(pat::mod(root + i, n), pat::mod(root + i, n)); };
+  for (int i = 1; i < n && i <= window; ++i) post(posted = i);
+  for (int i = 1; i < n; ++i) {
+    p.wait(ids[static_cast<std::size_t>(i)]);
+    if (posted + 1 < n) post(++posted);
+  }
+  return p;
+}
+
+Prog scatter_linear(int r, int n, int root, int window) {
+  Prog p;
+  if (n == 1) return p;
+  if (r != root) {
+    p.wait(p.recv(root, r));
+    return p;
+  }
+  std::vector<int> ids(static_cast<std::size_t>(n), -1);
+  int posted = 0;
+  auto post = [&](int i) { ids[static_cast<std::size_t>(i)] = p.send(pat::mod(root + i, n), pat::mod(root + i, n)); };
+  for (int i = 1; i < n && i <= window; ++i) post(posted = i);
+  for (int i = 1; i < n; ++i) {
+    p.wait(ids[static_cast<std::size_t>(i)]);
+    if (posted + 1 < n) post(++posted);
+  }
+  return p;
+}
+
+// Pairwise alltoall with at most `window` steps in flight (algo/alltoall_pairwise.cpp).
+Prog alltoall_pairwise(int r, int n, int window) {
+  Prog p;
+  std::vector<int> rid(static_cast<std::size_t>(n)), sid(static_cast<std::size_t>(n));
+  auto post = [&](int i) {
+    const int from = pat::pairwise_recv_from(r, n, i), to = pat::pairwise_send_to(r, n, i);
+    rid[static_cast<std::size_t>(i)] = p.recv(from, from * 1000 + r);
+    sid[static_cast<std::size_t>(i)] = p.send(to, r * 1000 + to);
+  };
+  int posted = 0;
+  for (int i = 1; i < n && i <= window; ++i) post(posted = i);
+  for (int i = 1; i < n; ++i) {
+    p.wait(rid[static_cast<std::size_t>(i)]);
+    p.wait(sid[static_cast<std::size_t>(i)]);
+    if (posted + 1 < n) post(++posted);
+  }
+  p.wait_all();
+  return p;
+}
+
 template <class F>
 std::vector<Prog> world(int n, F f) {
   std::vector<Prog> v;
@@ -375,6 +617,143 @@ TEST(Patterns, RootedSchedulesMatchForSizes1To64AndEveryRoot) {
       for (int k : {1, 2, 5}) EXPECT_SCHEDULE(n, reduce_binomial(r, n, root, k));
       EXPECT_SCHEDULE(n, gather(r, n, root));
       EXPECT_SCHEDULE(n, scatter(r, n, root));
+    }
+  }
+}
+
+TEST(Patterns, SelectorAlgorithmsMatchForSizes1To64) {
+  for (int n = 1; n <= kMaxWorld; ++n) {
+    SCOPED_TRACE("world size " + std::to_string(n));
+    for (int slots : {1, 3}) EXPECT_SCHEDULE(n, allreduce_ring_pipelined(r, n, slots));
+    EXPECT_SCHEDULE(n, allreduce_rabenseifner(r, n));
+    EXPECT_SCHEDULE(n, allgather_bruck(r, n));
+    if (pat::is_pow2(n)) {
+      EXPECT_SCHEDULE(n, reduce_scatter_halving(r, n));
+      EXPECT_SCHEDULE(n, allgather_doubling(r, n));
+    }
+    for (int window : {1, 2, 4, 64}) EXPECT_SCHEDULE(n, alltoall_pairwise(r, n, window));
+  }
+}
+
+TEST(Patterns, RootedSelectorAlgorithmsMatchForSizes1To64AndEveryRoot) {
+  for (int n = 1; n <= kMaxWorld; ++n) {
+    for (int root = 0; root < n; ++root) {
+      SCOPED_TRACE("world size " + std::to_string(n) + ", root " + std::to_string(root));
+      EXPECT_SCHEDULE(n, reduce_rabenseifner(r, n, root));
+      EXPECT_SCHEDULE(n, gather_binomial(r, n, root));
+      EXPECT_SCHEDULE(n, scatter_binomial(r, n, root));
+      for (int window : {1, 4}) {
+        EXPECT_SCHEDULE(n, gather_linear(r, n, root, window));
+        EXPECT_SCHEDULE(n, scatter_linear(r, n, root, window));
+      }
+      if (n == 2) {  // 3+ ranks: RootedSchedulesMatchForSizes1To64AndEveryRoot
+        EXPECT_SCHEDULE(n, bcast_scatter_allgather(r, n, root));
+      }
+    }
+  }
+}
+
+// Data flow, not just matching: which contributions each rank holds after each algorithm.
+TEST(Patterns, HalvingDoublingAndGatherCarryEveryContribution) {
+  for (int p = 1; p <= kMaxWorld; p *= 2) {
+    // has[q][b]: the newranks whose data rank q holds for block b (recursive halving).
+    std::vector<std::vector<std::set<int>>> has(static_cast<std::size_t>(p), std::vector<std::set<int>>(static_cast<std::size_t>(p)));
+    for (int q = 0; q < p; ++q) {
+      for (int b = 0; b < p; ++b) has[static_cast<std::size_t>(q)][static_cast<std::size_t>(b)] = {q};
+    }
+    std::vector<std::vector<pat::HalvingStep>> steps;
+    for (int q = 0; q < p; ++q) steps.push_back(pat::recursive_halving(q, p));
+    for (std::size_t k = 0; k < steps[0].size(); ++k) {
+      auto next = has;
+      for (int q = 0; q < p; ++q) {
+        const auto& st = steps[static_cast<std::size_t>(q)][k];
+        const auto& ps = steps[static_cast<std::size_t>(st.partner)][k];
+        EXPECT_EQ(ps.partner, q);
+        EXPECT_EQ(ps.send_lo, st.keep_lo);  // the partner sends what this rank keeps
+        EXPECT_EQ(ps.send_hi, st.keep_hi);
+        for (int b = st.keep_lo; b < st.keep_hi; ++b) {
+          const auto& theirs = has[static_cast<std::size_t>(st.partner)][static_cast<std::size_t>(b)];
+          next[static_cast<std::size_t>(q)][static_cast<std::size_t>(b)].insert(theirs.begin(), theirs.end());
+        }
+      }
+      has = next;
+    }
+    for (int q = 0; q < p; ++q) {
+      const auto& last = steps[static_cast<std::size_t>(q)];
+      if (!last.empty()) {
+        EXPECT_EQ(last.back().keep_lo, q);
+        EXPECT_EQ(last.back().keep_hi, q + 1);
+      }
+      EXPECT_EQ(has[static_cast<std::size_t>(q)][static_cast<std::size_t>(q)].size(), static_cast<std::size_t>(p));
+    }
+    // Recursive doubling allgather: every rank ends with every block.
+    std::vector<std::set<int>> blocks(static_cast<std::size_t>(p));
+    for (int q = 0; q < p; ++q) blocks[static_cast<std::size_t>(q)] = {q};
+    for (int mask = 1, k = 0; mask < p; mask *= 2, ++k) {
+      auto next = blocks;
+      for (int q = 0; q < p; ++q) {
+        const auto st = pat::recursive_doubling_allgather(q, p)[static_cast<std::size_t>(k)];
+        for (int b = st.send_lo; b < st.send_hi; ++b) EXPECT_EQ(blocks[static_cast<std::size_t>(q)].count(b), 1u);
+        for (int b = st.recv_lo; b < st.recv_hi; ++b) next[static_cast<std::size_t>(q)].insert(b);
+        EXPECT_EQ(blocks[static_cast<std::size_t>(st.partner)].count(st.recv_lo), 1u);
+      }
+      blocks = next;
+    }
+    for (int q = 0; q < p; ++q) EXPECT_EQ(blocks[static_cast<std::size_t>(q)].size(), static_cast<std::size_t>(p));
+    // Gather towards every root: the root ends with every block, each sent by a holder.
+    for (int root = 0; root < p; ++root) {
+      std::vector<std::set<int>> held(static_cast<std::size_t>(p));
+      for (int q = 0; q < p; ++q) held[static_cast<std::size_t>(q)] = {q};
+      for (int mask = 1, k = 0; mask < p; mask *= 2, ++k) {
+        for (int q = 0; q < p; ++q) {
+          const auto gs = pat::halving_gather(q, root, p);
+          if (static_cast<std::size_t>(k) >= gs.size() || gs[static_cast<std::size_t>(k)].send) continue;
+          const auto& st = gs[static_cast<std::size_t>(k)];
+          for (int b = st.lo; b < st.hi; ++b) {
+            EXPECT_EQ(held[static_cast<std::size_t>(st.partner)].count(b), 1u);
+            held[static_cast<std::size_t>(q)].insert(b);
+          }
+        }
+      }
+      EXPECT_EQ(held[static_cast<std::size_t>(root)].size(), static_cast<std::size_t>(p));
+    }
+  }
+}
+
+TEST(Patterns, BruckAndBinomialSubtreesCoverEveryRank) {
+  for (int n = 1; n <= kMaxWorld; ++n) {
+    // slot[r][i]: the block in rank r's slot i (-1: empty).
+    std::vector<std::vector<int>> slot(static_cast<std::size_t>(n), std::vector<int>(static_cast<std::size_t>(n), -1));
+    for (int r = 0; r < n; ++r) slot[static_cast<std::size_t>(r)][0] = r;
+    const std::size_t steps = pat::bruck(0, n).size();
+    for (std::size_t k = 0; k < steps; ++k) {
+      auto next = slot;
+      for (int r = 0; r < n; ++r) {
+        const auto st = pat::bruck(r, n)[k];
+        EXPECT_EQ(pat::bruck(st.recv_from, n)[k].send_to, r);
+        for (int i = 0; i < st.blocks; ++i) {
+          const int b = slot[static_cast<std::size_t>(st.recv_from)][static_cast<std::size_t>(i)];
+          EXPECT_GE(b, 0);
+          next[static_cast<std::size_t>(r)][static_cast<std::size_t>(st.recv_at + i)] = b;
+        }
+      }
+      slot = next;
+    }
+    for (int r = 0; r < n; ++r) {
+      for (int i = 0; i < n; ++i) EXPECT_EQ(slot[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)], (r + i) % n);
+    }
+    for (int root = 0; root < n; ++root) {
+      for (int r = 0; r < n; ++r) {
+        const int v = pat::relative_rank(r, n, root);
+        int covered = 1;
+        const auto kids = pat::binomial_tree(r, n, root).children;  // largest subtree first
+        for (auto it = kids.rbegin(); it != kids.rend(); ++it) {
+          const int vc = pat::relative_rank(*it, n, root);
+          EXPECT_EQ(vc, v + covered);  // the children's ranges follow the rank's own, in order
+          covered += pat::subtree_size(vc, n);
+        }
+        EXPECT_EQ(covered, pat::subtree_size(v, n));
+      }
     }
   }
 }

@@ -18,6 +18,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "commux/communicator.hpp"
 
@@ -60,7 +62,34 @@ struct Context {
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   MemoryType mem = MemoryType::kHost;
   const char* op_name = "collective";  // used in error messages: "commux allreduce: ..."
+  // Forces an algorithm of the collective called (a name from algorithms(op)); nullptr, "" or
+  // "auto": the process-wide choice (force_algorithm(), else the COMMUX_ALGO_<OP> variable), and
+  // without one the selector's (see force_algorithm below). Must be the same on every rank. A forced algorithm that cannot
+  // handle the call (it declines, e.g. recursive doubling allgather on 6 ranks) gives way to the
+  // selector's choice; an unknown name throws Error(kInvalidArgument) listing the valid ones.
+  const char* algorithm = nullptr;
 };
+
+// Algorithm selection. `op` names a collective: "allreduce", "broadcast", "reduce", "allgather"
+// (also allgatherv), "reduce_scatter", "alltoall" (alltoallv), "barrier", "gather", "scatter"
+// (case-insensitive). An unknown op throws Error(kInvalidArgument) listing the valid ones.
+//
+// The names of `op`'s algorithms (what Context::algorithm and COMMUX_ALGO_<OP> accept).
+std::vector<std::string> algorithms(const char* op);
+// Process-wide forced algorithm for `op` (every thread, every call whose Context::algorithm is
+// unset); nullptr, "" or "auto" clears it. Without one, each call reads the environment variable
+// COMMUX_ALGO_<OP>=<name> (OP upper case: ALLREDUCE, BROADCAST, REDUCE, ALLGATHER, REDUCE_SCATTER,
+// ALLTOALL, BARRIER, GATHER, SCATTER; "auto" or empty: the selector). Precedence:
+// Context::algorithm, then force_algorithm(), then COMMUX_ALGO_<OP>, then the selector. Throws
+// Error(kInvalidArgument) for an unknown op or algorithm name (an unknown name in the variable
+// makes each call of that collective throw it, before anything is posted).
+void force_algorithm(const char* op, const char* name);
+// The forced algorithm of `op` in effect for calls without Context::algorithm (force_algorithm()'s,
+// else COMMUX_ALGO_<OP>'s), "" when the selector chooses.
+std::string forced_algorithm(const char* op);
+// The algorithm the last collective called on this thread ran ("" before the first), e.g.
+// "rabenseifner"; after a forced algorithm declined, the selector's choice that ran instead.
+const char* last_algorithm() noexcept;
 
 void barrier(const Context& ctx);
 // `bytes` from root's buf to every rank's buf.

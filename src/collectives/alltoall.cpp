@@ -1,15 +1,9 @@
-// Alltoallv: direct personalized exchange. All n - 1 receives are posted first, then all sends,
-// every pair exchanging a message even of zero bytes, so that ranks whose splits disagree fail
-// instead of hanging: a message longer than the receive fails with kTruncated, a shorter one is
-// reported as kInvalidArgument, both naming the peer and both sizes. The rank's own block is a
-// local copy (a message to itself for device memory). Posting starts with the nearest ranks
-// (r-1 / r+1, ...) so that not everyone sends to rank 0 first.
+// Alltoallv: validation and the selector. Algorithms in algo/alltoall_*.cpp: pairwise (bounded
+// in flight, the default) and linear (everything posted at once).
 #include <algorithm>
 #include <string>
-#include <vector>
 
-#include "internal.hpp"
-#include "patterns.hpp"
+#include "algo.hpp"
 
 namespace commux::coll {
 
@@ -36,32 +30,10 @@ void alltoallv(const Context& ctx, const void* in, const std::size_t* send_count
                                        " bytes to itself but expects to receive " +
                                        std::to_string(recv_counts[me]));
   }
-  const char* i0 = static_cast<const char*>(in);
-  char* o0 = static_cast<char*>(out);
-  ex.phase("direct exchange");
-  std::vector<std::size_t> recvs(static_cast<std::size_t>(n));
-  for (int i = 1; i < n; ++i) {
-    const auto p = static_cast<std::size_t>(pattern::mod(r - i, n));
-    recvs[p] = ex.recv_user(o0 + recv_displs[p], recv_counts[p], static_cast<int>(p));
-  }
-  for (int i = 1; i < n; ++i) {
-    const auto p = static_cast<std::size_t>(pattern::mod(r + i, n));
-    ex.send_user(i0 + send_displs[p], send_counts[p], static_cast<int>(p));
-  }
-  ex.copy(o0 + recv_displs[me], ex.mem(), i0 + send_displs[me], ex.mem(), send_counts[me]);
-  for (int i = 1; i < n; ++i) {
-    const auto p = static_cast<std::size_t>(pattern::mod(r - i, n));
-    ex.wait(recvs[p]);
-    const std::size_t got = ex.bytes(recvs[p]);
-    if (got != recv_counts[p]) {
-      ex.fail(Errc::kInvalidArgument,
-              "peer " + std::to_string(p) + " sent " + std::to_string(got) +
-                  " bytes but recv_counts[" + std::to_string(p) + "] on rank " + std::to_string(r) +
-                  " is " + std::to_string(recv_counts[p]) +
-                  " (the send and receive splits of the two ranks disagree)");
-    }
-  }
-  ex.wait_all();
+  const detail::AlltoallArgs a{static_cast<const char*>(in), send_counts, send_displs,
+                               static_cast<char*>(out), recv_counts, recv_displs};
+  const auto& algo = detail::choose(ctx, detail::alltoall_table(), n, a, "pairwise");
+  algo.run(ex, a);
 }
 
 }  // namespace commux::coll

@@ -1,27 +1,14 @@
-// Barrier: dissemination, ceil(log2 n) rounds of zero-byte messages. In round k rank r tells
-// r + 2^k it has arrived and waits for r - 2^k; after the last round every rank has (transitively)
-// heard from every other.
-#include <vector>
-
-#include "internal.hpp"
-#include "patterns.hpp"
+// Barrier: one algorithm, dissemination (algo/barrier_dissemination.cpp).
+#include "algo.hpp"
 
 namespace commux::coll {
 
 void barrier(const Context& ctx) {
   detail::Exchange ex(ctx);
-  const int n = ex.size(), r = ex.rank();
-  if (n == 1) return;
-  ex.phase("dissemination");
-  const std::vector<pattern::Round> rounds = pattern::dissemination(r, n);
-  std::vector<std::size_t> recvs;
-  recvs.reserve(rounds.size());
-  for (const auto& rd : rounds) recvs.push_back(ex.recv_host(nullptr, 0, rd.recv_from));
-  for (std::size_t k = 0; k < rounds.size(); ++k) {
-    if (k > 0) ex.wait(recvs[k - 1]);
-    ex.send_host(nullptr, 0, rounds[k].send_to);
-  }
-  ex.wait_all();
+  const detail::BarrierArgs a{};
+  const auto& algo = detail::choose(ctx, detail::barrier_table(), ex.size(), a, "dissemination");
+  if (ex.size() == 1) return;
+  algo.run(ex, a);
 }
 
 }  // namespace commux::coll

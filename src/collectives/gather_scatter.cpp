@@ -1,40 +1,31 @@
-// Gather and scatter: direct. The root posts all n - 1 receives (sends) at once, each rank
-// exchanges one message with the root; the root's own block is a local copy.
-#include <string>
-#include <vector>
-
-#include "internal.hpp"
-#include "patterns.hpp"
+// Gather and scatter: validation and the selectors. Algorithms in algo/{gather,scatter}_*.cpp:
+//   * binomial: 3+ ranks and parts below kGatherBinomialBytes;
+//   * linear (at most kMaxInFlight messages in flight at the root): otherwise.
+#include "algo.hpp"
 
 namespace commux::coll {
+
+namespace {
+
+const char* select(int n, std::size_t bytes) {
+  return n >= 3 && bytes < detail::kGatherBinomialBytes ? "binomial" : "linear";
+}
+
+}  // namespace
 
 void gather(const Context& ctx, const void* in, std::size_t bytes, void* out, int root) {
   detail::Exchange ex(ctx);
   const int n = ex.size(), r = ex.rank();
   detail::check_root(ctx, root, n);
   detail::check_ptr(ctx, in, bytes, "in");
-  ex.phase("direct");
-  if (r != root) {
-    ex.send_user(in, bytes, root);
-    ex.wait_all();
+  if (r == root) detail::check_ptr(ctx, out, bytes * static_cast<std::size_t>(n), "out");
+  const detail::RootedArgs a{static_cast<const char*>(in), static_cast<char*>(out), bytes, root};
+  const auto& algo = detail::choose(ctx, detail::gather_table(), n, a, select(n, bytes));
+  if (n == 1) {
+    ex.copy(out, ex.mem(), in, ex.mem(), bytes);
     return;
   }
-  detail::check_ptr(ctx, out, bytes * static_cast<std::size_t>(n), "out");
-  char* o = static_cast<char*>(out);
-  std::vector<std::size_t> recvs(static_cast<std::size_t>(n));
-  for (int i = 1; i < n; ++i) {
-    const int p = pattern::mod(root + i, n);
-    recvs[static_cast<std::size_t>(p)] = ex.recv_user(o + static_cast<std::size_t>(p) * bytes, bytes, p);
-  }
-  ex.copy(o + static_cast<std::size_t>(r) * bytes, ex.mem(), in, ex.mem(), bytes);
-  for (int i = 1; i < n; ++i) {
-    const int p = pattern::mod(root + i, n);
-    const std::size_t id = recvs[static_cast<std::size_t>(p)];
-    ex.wait(id);
-    if (ex.bytes(id) != bytes) {
-      ex.fail(Errc::kInvalidArgument, detail::size_mismatch(p, ex.bytes(id), bytes, nullptr));
-    }
-  }
+  algo.run(ex, a);
 }
 
 void scatter(const Context& ctx, const void* in, void* out, std::size_t bytes, int root) {
@@ -42,23 +33,14 @@ void scatter(const Context& ctx, const void* in, void* out, std::size_t bytes, i
   const int n = ex.size(), r = ex.rank();
   detail::check_root(ctx, root, n);
   detail::check_ptr(ctx, out, bytes, "out");
-  ex.phase("direct");
-  if (r != root) {
-    const std::size_t id = ex.recv_user(out, bytes, root);
-    ex.wait(id);
-    if (ex.bytes(id) != bytes) {
-      ex.fail(Errc::kInvalidArgument, detail::size_mismatch(root, ex.bytes(id), bytes, nullptr));
-    }
+  if (r == root) detail::check_ptr(ctx, in, bytes * static_cast<std::size_t>(n), "in");
+  const detail::RootedArgs a{static_cast<const char*>(in), static_cast<char*>(out), bytes, root};
+  const auto& algo = detail::choose(ctx, detail::scatter_table(), n, a, select(n, bytes));
+  if (n == 1) {
+    ex.copy(out, ex.mem(), in, ex.mem(), bytes);
     return;
   }
-  detail::check_ptr(ctx, in, bytes * static_cast<std::size_t>(n), "in");
-  const char* i0 = static_cast<const char*>(in);
-  for (int i = 1; i < n; ++i) {
-    const int p = pattern::mod(root + i, n);
-    ex.send_user(i0 + static_cast<std::size_t>(p) * bytes, bytes, p);
-  }
-  ex.copy(out, ex.mem(), i0 + static_cast<std::size_t>(r) * bytes, ex.mem(), bytes);
-  ex.wait_all();
+  algo.run(ex, a);
 }
 
 }  // namespace commux::coll

@@ -14,6 +14,17 @@ inline constexpr std::size_t kBroadcastScatterBytes = std::size_t{512} << 10;
 // Allreduce uses recursive doubling below this many bytes (or with fewer elements than ranks),
 // the halves exchange (2 ranks) or ring reduce-scatter + allgather at and above it.
 inline constexpr std::size_t kAllreduceSmallBytes = std::size_t{64} << 10;
+// With 4, 8, .. ranks allreduce uses Rabenseifner below this many bytes, the ring at and above it.
+inline constexpr std::size_t kAllreduceRabenseifnerBytes = std::size_t{1} << 20;
+// Allgather of equal parts: recursive doubling (power-of-two ranks) or Bruck (others) below this
+// many bytes in all (n * part), the ring at and above it.
+inline constexpr std::size_t kAllgatherSmallBytes = std::size_t{64} << 10;
+// Reduce-scatter: recursive halving below this many bytes in all (power-of-two ranks), else ring.
+inline constexpr std::size_t kReduceScatterSmallBytes = std::size_t{64} << 10;
+// Gather / scatter: binomial tree below this many bytes per rank (3+ ranks), else linear.
+inline constexpr std::size_t kGatherBinomialBytes = std::size_t{16} << 10;
+// Linear gather / scatter and pairwise alltoall keep at most this many peers' messages in flight.
+inline constexpr int kMaxInFlight = 4;
 
 // Large messages are cut into chunks of about this size where an algorithm pipelines (the 2-rank
 // halves exchange, reduce): the next chunk travels while the previous one is reduced, and

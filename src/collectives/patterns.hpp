@@ -4,6 +4,7 @@
 // in the same order, and that the schedules cannot deadlock.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <vector>
 
@@ -124,5 +125,129 @@ inline std::vector<Round> dissemination(int r, int n) {
   for (int d = 1; d < n; d <<= 1) rounds.push_back(Round{mod(r + d, n), mod(r - d, n)});
   return rounds;
 }
+
+
+// ---- the power-of-two fold (Rabenseifner, recursive halving) ----------------------------------
+// The same fold as recursive_doubling(): p = pow2_floor(n), rem = n - p; ranks below 2 * rem pair
+// up (2i, 2i+1), the even one hands its data to the odd one and sits out. The p remaining ranks
+// are numbered 0..p-1 ("newrank"): the odd rank 2i+1 is newrank i, a rank r >= 2 * rem is r - rem.
+inline bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+// newrank of real rank r, or -1 for a rank that folds out.
+inline int fold_newrank(int r, int n) {
+  const int rem = n - pow2_floor(n);
+  if (r < 2 * rem) return r % 2 == 1 ? r / 2 : -1;
+  return r - rem;
+}
+// Real rank of newrank q.
+inline int fold_real(int q, int n) {
+  const int rem = n - pow2_floor(n);
+  return q < rem ? 2 * q + 1 : q + rem;
+}
+
+// ---- recursive halving (reduce-scatter among p = 2^k ranks) -------------------------------------
+// Blocks 0..p-1, newrank q. Step k (mask = p/2, p/4, .., 1): the rank holds the block range
+// [lo, hi) (all blocks at first), exchanges with partner q ^ mask: it sends the half not containing
+// block q and keeps (receives the partner's partial of, and reduces) the half containing q. After
+// the last step it holds block q. Partners in newrank space.
+struct HalvingStep {
+  int partner;
+  int send_lo, send_hi;  // blocks [send_lo, send_hi) go to the partner
+  int keep_lo, keep_hi;  // blocks [keep_lo, keep_hi) come from the partner
+};
+
+inline std::vector<HalvingStep> recursive_halving(int q, int p) {
+  std::vector<HalvingStep> steps;
+  int lo = 0, hi = p;
+  for (int mask = p / 2; mask >= 1; mask /= 2) {
+    const int mid = lo + (hi - lo) / 2;
+    HalvingStep st{q ^ mask, mid, hi, lo, mid};
+    if ((q & mask) != 0) st = HalvingStep{q ^ mask, lo, mid, mid, hi};
+    steps.push_back(st);
+    lo = st.keep_lo;
+    hi = st.keep_hi;
+  }
+  return steps;
+}
+
+// ---- recursive doubling allgather (p = 2^k ranks) ----------------------------------------------
+// Newrank q starts with block q. Step k (mask = 1, 2, .., p/2): partner q ^ mask; the rank sends the
+// aligned group of `mask` blocks containing q and receives the partner's group, so it then holds
+// the aligned group of 2 * mask blocks.
+struct DoublingStep {
+  int partner;
+  int send_lo, send_hi;
+  int recv_lo, recv_hi;
+};
+
+inline std::vector<DoublingStep> recursive_doubling_allgather(int q, int p) {
+  std::vector<DoublingStep> steps;
+  for (int mask = 1; mask < p; mask *= 2) {
+    const int mine = q & ~(mask - 1), theirs = (q ^ mask) & ~(mask - 1);
+    steps.push_back(DoublingStep{q ^ mask, mine, mine + mask, theirs, theirs + mask});
+  }
+  return steps;
+}
+
+// ---- binomial gather towards a newrank root after recursive halving (Rabenseifner reduce) ------
+// Newrank q holds block q. With v = q ^ qroot, step k (mask = 1, 2, .., p/2): a rank with v & mask
+// sends the aligned group of `mask` blocks it holds to q ^ mask and is done; the others receive the
+// partner's group and then hold the aligned group of 2 * mask blocks. qroot ends with all blocks.
+struct GatherStep {
+  int partner;
+  bool send;   // send [lo, hi) (and stop), else receive [lo, hi)
+  int lo, hi;
+};
+
+inline std::vector<GatherStep> halving_gather(int q, int qroot, int p) {
+  std::vector<GatherStep> steps;
+  const int v = q ^ qroot;
+  for (int mask = 1; mask < p; mask *= 2) {
+    if ((v & mask) != 0) {
+      const int mine = q & ~(mask - 1);
+      steps.push_back(GatherStep{q ^ mask, true, mine, mine + mask});
+      break;
+    }
+    const int theirs = (q ^ mask) & ~(mask - 1);
+    steps.push_back(GatherStep{q ^ mask, false, theirs, theirs + mask});
+  }
+  return steps;
+}
+
+// ---- Bruck allgather (any n) ------------------------------------------------------------------
+// A temporary of n blocks in rotated order: slot i holds block (r + i) mod n, slot 0 is the rank's
+// own. Step k (distance d = 2^k < n): send slots [0, m) to (r - d) mod n and receive m blocks into
+// slots [d, d + m) from (r + d) mod n, with m = min(d, n - d). After ceil(log2 n) steps all n slots
+// are filled.
+struct BruckStep {
+  int send_to;
+  int recv_from;
+  int blocks;   // m
+  int recv_at;  // d
+};
+
+inline std::vector<BruckStep> bruck(int r, int n) {
+  std::vector<BruckStep> steps;
+  for (int d = 1; d < n; d *= 2) steps.push_back(BruckStep{mod(r - d, n), mod(r + d, n), std::min(d, n - d), d});
+  return steps;
+}
+
+// ---- binomial gather / scatter ----------------------------------------------------------------
+// Over binomial_tree(r, n, root): relative rank v = (r - root) mod n owns the relative ranks
+// [v, v + subtree_size(v, n)): its own and its descendants'. Gather: each rank collects its
+// children's ranges (in relative order, contiguous) and sends its whole range to its parent;
+// scatter is the reverse.
+inline int relative_rank(int r, int n, int root) { return mod(r - root, n); }
+
+inline int subtree_size(int v, int n) {
+  if (v == 0) return n;
+  return std::min(v & -v, n - v);
+}
+
+// ---- pairwise exchange (alltoall) -------------------------------------------------------------
+// Step i = 1 .. n-1: send to (r + i) mod n, receive from (r - i) mod n. At most `window` steps are
+// in flight: step i + window is posted once step i's receive and send have completed.
+inline int pairwise_send_to(int r, int n, int i) { return mod(r + i, n); }
+inline int pairwise_recv_from(int r, int n, int i) { return mod(r - i, n); }
 
 }  // namespace commux::coll::pattern

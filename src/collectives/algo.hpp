@@ -1,0 +1,198 @@
+// The algorithms of every collective, each in its own translation unit under algo/, and the
+// pieces that choose between them (select.cpp). Internal to src/collectives.
+//
+// An algorithm has a name, may decline a call it cannot handle (accepts() returns false: e.g.
+// recursive doubling allgather on a world size that is not a power of two) and runs on an
+// Exchange with the call's arguments, already validated by the collective's entry point (which
+// also stages device buffers through host memory where the algorithm reduces). accepts() may only
+// look at what is equal on every rank (world size, counts, root), so every rank picks the same.
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "internal.hpp"
+
+namespace commux::coll::detail {
+
+// ---- the collectives and their arguments -------------------------------------------------------
+
+enum class Coll : int {
+  kAllreduce, kBroadcast, kReduce, kAllgather, kReduceScatter, kAlltoall, kBarrier, kGather,
+  kScatter, kCount
+};
+const char* coll_name(Coll c);  // "allreduce", "reduce_scatter", ...
+
+// In place on host memory (staged by the entry point).
+struct AllreduceArgs {
+  char* buf;
+  std::size_t count;  // > 0
+  DataType t;
+  ReduceOp op;
+};
+
+// User memory (ctx.mem).
+struct BroadcastArgs {
+  char* buf;
+  std::size_t bytes;
+  int root;
+};
+
+// Host memory; the root's buf ends as the reduction, other ranks' are scratch.
+struct ReduceArgs {
+  char* buf;
+  std::size_t count;  // > 0
+  DataType t;
+  ReduceOp op;
+  int root;
+};
+
+// User memory. `in` may alias out + displs[rank]. uniform: every count equal to counts[0] and
+// displs[p] == p * counts[0] (a plain allgather).
+struct AllgatherArgs {
+  const char* in;
+  char* out;
+  const std::size_t* counts;
+  const std::size_t* displs;
+  bool uniform;
+};
+
+// Host memory. Block p is elements [off[p], off[p + 1]) of `in` (n + 1 offsets); `out` (counts of
+// the rank's block) may alias its own block of `in`. `in` is only read.
+struct ReduceScatterArgs {
+  const char* in;
+  char* out;
+  const std::size_t* off;
+  DataType t;
+  ReduceOp op;
+};
+
+// User memory, counts and displacements in bytes.
+struct AlltoallArgs {
+  const char* in;
+  const std::size_t* send_counts;
+  const std::size_t* send_displs;
+  char* out;
+  const std::size_t* recv_counts;
+  const std::size_t* recv_displs;
+};
+
+struct BarrierArgs {};
+
+// Gather (in: bytes on every rank, out: n * bytes on the root) and scatter (in: n * bytes on the
+// root, out: bytes on every rank); user memory.
+struct RootedArgs {
+  const char* in;
+  char* out;
+  std::size_t bytes;
+  int root;
+};
+
+template <class A>
+struct Algorithm {
+  const char* name;
+  bool (*accepts)(int n, const A& a);  // nullptr: accepts everything
+  void (*run)(Exchange& ex, const A& a);
+};
+
+template <class A>
+struct Table {
+  Coll coll;
+  const Algorithm<A>* const* list;
+  std::size_t size;
+};
+
+const Table<AllreduceArgs>& allreduce_table();
+const Table<BroadcastArgs>& broadcast_table();
+const Table<ReduceArgs>& reduce_table();
+const Table<AllgatherArgs>& allgather_table();
+const Table<ReduceScatterArgs>& reduce_scatter_table();
+const Table<AlltoallArgs>& alltoall_table();
+const Table<BarrierArgs>& barrier_table();
+const Table<RootedArgs>& gather_table();
+const Table<RootedArgs>& scatter_table();
+
+// ---- choosing --------------------------------------------------------------------------------
+
+// The forced algorithm name for this call (ctx.algorithm, else the process-wide choice), or "".
+// `source` says where it came from, for error messages.
+std::string forced_name(const Context& ctx, Coll c, const char** source);
+void set_last_algorithm(const char* name) noexcept;
+[[noreturn]] void unknown_algorithm(const Context& ctx, Coll c, const char* name, const char* source);
+
+// The algorithm to run: the forced one if it exists and accepts the call, else the selector's
+// choice `preferred` (which must accept), else the first that accepts. Unknown forced names throw
+// before anything is posted. Records the choice for last_algorithm().
+template <class A>
+const Algorithm<A>& choose(const Context& ctx, const Table<A>& tab, int n, const A& a,
+                           const char* preferred) {
+  auto find = [&](const char* name) -> const Algorithm<A>* {
+    for (std::size_t i = 0; i < tab.size; ++i) {
+      if (std::strcmp(tab.list[i]->name, name) == 0) return tab.list[i];
+    }
+    return nullptr;
+  };
+  auto ok = [&](const Algorithm<A>* al) { return al != nullptr && (al->accepts == nullptr || al->accepts(n, a)); };
+  const char* source = nullptr;
+  const Algorithm<A>* chosen = nullptr;
+  const std::string forced = forced_name(ctx, tab.coll, &source);
+  if (!forced.empty()) {
+    const Algorithm<A>* al = find(forced.c_str());
+    if (al == nullptr) unknown_algorithm(ctx, tab.coll, forced.c_str(), source);
+    if (ok(al)) chosen = al;
+  }
+  if (chosen == nullptr && preferred != nullptr && ok(find(preferred))) chosen = find(preferred);
+  for (std::size_t i = 0; chosen == nullptr && i < tab.size; ++i) {
+    if (ok(tab.list[i])) chosen = tab.list[i];
+  }
+  set_last_algorithm(chosen->name);
+  return *chosen;
+}
+
+// ---- the algorithms (one translation unit each under algo/) -------------------------------------
+
+namespace algo {
+extern const Algorithm<AllreduceArgs> allreduce_recursive_doubling, allreduce_halves, allreduce_ring,
+    allreduce_rabenseifner;
+extern const Algorithm<BroadcastArgs> broadcast_binomial, broadcast_scatter_allgather;
+extern const Algorithm<ReduceArgs> reduce_binomial, reduce_rabenseifner;
+extern const Algorithm<AllgatherArgs> allgather_ring, allgather_recursive_doubling, allgather_bruck;
+extern const Algorithm<ReduceScatterArgs> reduce_scatter_ring, reduce_scatter_recursive_halving;
+extern const Algorithm<AlltoallArgs> alltoall_pairwise, alltoall_linear;
+extern const Algorithm<BarrierArgs> barrier_dissemination;
+extern const Algorithm<RootedArgs> gather_binomial, gather_linear, scatter_binomial, scatter_linear;
+}  // namespace algo
+
+// ---- pieces shared by several algorithms (algo/halving.cpp) -----------------------------------
+
+// Recursive halving reduce-scatter among the p = pow2_floor(n) ranks left after the fold, this
+// rank being newrank q (real ranks by pattern::fold_real). Block b is elements [off[b], off[b+1])
+// (p + 1 offsets). `src` holds this rank's contribution to every block (element e at
+// src + e * es). Partial results accumulate in `acc`, element e at acc + (e - acc_first) * es
+// (acc == src, acc_first == 0 for in place; else scratch covering at least the half kept at the
+// first step). The final block q goes to `last` if not null (it may alias src's block q), else
+// stays in acc. Each step's exchange is cut into pipeline chunks, reduced as they arrive; the
+// lower real rank's data is the left operand. All sends are complete on return.
+struct HalvingIo {
+  const char* src;
+  char* acc;
+  std::size_t acc_first;
+  char* last;
+};
+void recursive_halving(Exchange& ex, const HalvingIo& io, const std::size_t* off, int q, int n,
+                       DataType t, ReduceOp op);
+// The elements the accumulator needs: the range kept at the first step (for acc_first).
+std::pair<std::size_t, std::size_t> halving_first_keep(const std::size_t* off, int q, int n);
+
+// Recursive doubling allgather among the p = pow2_floor(n) ranks left after the fold, newrank q:
+// block b is bytes [boff[b], boff[b+1]) of base (p + 1 offsets, memory type mem); the rank holds
+// block q and ends with all. Received sizes are checked.
+void doubling_allgather(Exchange& ex, char* base, const std::size_t* boff, int q, int n, MemoryType mem);
+
+// "for block 3" size check of a completed receive.
+void expect_bytes(Exchange& ex, std::size_t id, int peer, std::size_t expected, const char* what);
+
+}  // namespace commux::coll::detail

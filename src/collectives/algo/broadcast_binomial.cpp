@@ -1,0 +1,27 @@
+// Broadcast, binomial tree rooted at `root`: ceil(log2 n) rounds; each rank receives once from
+// its parent and forwards the whole buffer to its children, largest subtree first. The selector's
+// choice below kBroadcastScatterBytes and for 2 ranks.
+#include "../algo.hpp"
+#include "../patterns.hpp"
+
+namespace commux::coll::detail::algo {
+
+namespace {
+
+void run(Exchange& ex, const BroadcastArgs& a) {
+  ex.phase("binomial tree");
+  const pattern::Tree t = pattern::binomial_tree(ex.rank(), ex.size(), a.root);
+  if (t.parent >= 0) {
+    const std::size_t id = ex.recv_user(a.buf, a.bytes, t.parent);
+    ex.wait(id);
+    expect_bytes(ex, id, t.parent, a.bytes, nullptr);
+  }
+  for (int c : t.children) ex.send_user(a.buf, a.bytes, c);
+  ex.wait_all();
+}
+
+}  // namespace
+
+const Algorithm<BroadcastArgs> broadcast_binomial = {"binomial", nullptr, run};
+
+}  // namespace commux::coll::detail::algo

@@ -1,0 +1,55 @@
+// Reduce to a root, binomial tree pipelined in chunks of ~kPipelineChunkBytes. Each rank receives
+// its children's partial results, smallest subtree first (it is ready first), reduces them into its
+// buffer (its own data on the left) and sends the result to its parent chunk by chunk, while the
+// children's next chunk arrives in the other half of the scratch. Non-root buffers are scratch.
+#include <algorithm>
+#include <vector>
+
+#include "../algo.hpp"
+#include "../patterns.hpp"
+
+namespace commux::coll::detail::algo {
+
+namespace {
+
+void run(Exchange& ex, const ReduceArgs& a) {
+  const int n = ex.size(), r = ex.rank();
+  const std::size_t es = dtype_size(a.t), count = a.count;
+  char* mine = a.buf;
+  const pattern::Tree tree = pattern::binomial_tree(r, n, a.root);
+  ex.phase("binomial tree");
+  const int k = pipeline_chunks(count * es);
+  const pattern::Blocks ch{count, k};
+  const auto at = [&](int c) { return mine + ch.offset(c) * es; };
+  const std::vector<int> kids(tree.children.rbegin(), tree.children.rend());
+  const std::size_t nk = kids.size();
+  std::vector<char*> slot(2 * nk, nullptr);  // slot[(c % 2) * nk + i]: chunk c of kid i
+  for (std::size_t i = 0; i < slot.size(); ++i) {
+    if (i < nk || k > 1) slot[i] = ex.scratch(ch.max() * es);
+  }
+  std::vector<std::size_t> rid(2 * nk);
+  const auto post = [&](int c, std::size_t i) {
+    const std::size_t s = static_cast<std::size_t>(c % 2) * nk + i;
+    rid[s] = ex.recv_host(slot[s], ch.size(c) * es, kids[i]);
+  };
+  for (int c = 0; c < std::min(2, k); ++c) {
+    for (std::size_t i = 0; i < nk; ++i) post(c, i);
+  }
+  for (int c = 0; c < k; ++c) {
+    for (std::size_t i = 0; i < nk; ++i) {
+      const std::size_t s = static_cast<std::size_t>(c % 2) * nk + i;
+      ex.wait(rid[s]);
+      expect_bytes(ex, rid[s], kids[i], ch.size(c) * es, nullptr);
+      reduce_into(at(c), slot[s], ch.size(c), a.t, a.op);
+      if (c + 2 < k) post(c + 2, i);
+    }
+    if (tree.parent >= 0) ex.send_host(at(c), ch.size(c) * es, tree.parent);
+  }
+  ex.wait_all();
+}
+
+}  // namespace
+
+const Algorithm<ReduceArgs> reduce_binomial = {"binomial", nullptr, run};
+
+}  // namespace commux::coll::detail::algo
