@@ -3,7 +3,8 @@
 # missing). Debian packages: compilers, GoogleTest, UCX 1.13 (system provider, perftest), Open MPI
 # (benchmark peer), iproute2 (two-namespace test). Python venv .venv: the libucx-cu13 wheel (UCX
 # 1.22 with CUDA transports, the default provider), cmake, ninja, pytest, and torch (CPU build,
-# COMMUX_TORCH overrides the requirement) with what `pip install . --no-build-isolation` needs.
+# COMMUX_TORCH overrides the requirement) with what `pip install . --no-build-isolation` needs, and
+# matplotlib (the benchmark plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,10 +26,10 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$python" -m venv .venv
 fi
-if ! .venv/bin/python -c "import libucx, cmake, ninja, pytest, numpy, pybind11, scikit_build_core, torch" 2>/dev/null; then
+if ! .venv/bin/python -c "import libucx, cmake, ninja, pytest, numpy, pybind11, scikit_build_core, torch, matplotlib" 2>/dev/null; then
   echo "setup: installing Python packages into .venv"
   # torch 2.13.0 is the CPU build; a CUDA build (e.g. COMMUX_TORCH=torch==2.14.1) works the same.
   .venv/bin/pip install -q --disable-pip-version-check "libucx-cu13>=1.22,<1.23" cmake ninja \
-    pytest numpy pybind11 "scikit-build-core>=0.10" "${COMMUX_TORCH:-torch==2.13.0}"
+    pytest numpy pybind11 "scikit-build-core>=0.10" matplotlib "${COMMUX_TORCH:-torch==2.13.0}"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import libucx, torch; print("libucx", libucx.__version__, "torch", torch.__version__)' 2>/dev/null))"
