@@ -272,7 +272,11 @@ void check_reduce(Rank& k, std::size_t count, int root) {
     for (std::size_t i = 0; i < count; ++i) want[i] += val(p, i);
   }
   coll::reduce(k.ctx("reduce"), buf.data(), count, DataType::kFloat32, ReduceOp::kSum, root);
-  if (k.r() == root) check_eq(buf, want, tag("reduce float32 SUM", count, root));
+  if (k.r() == root) {
+    check_eq(buf, want, tag("reduce float32 SUM", count, root));
+  } else {  // a non-root's buffer is only read
+    check_eq(buf, contribution(k.r(), count), tag("reduce leaves a non-root's input", count, root));
+  }
 }
 
 void check_allgatherv(Rank& k, const std::vector<std::size_t>& counts, bool in_place) {

@@ -96,7 +96,7 @@ void barrier(const Context& ctx);
 void broadcast(const Context& ctx, void* buf, std::size_t bytes, int root);
 // In place: every rank's buf ends as the reduction of all ranks' bufs.
 void allreduce(const Context& ctx, void* buf, std::size_t count, DataType t, ReduceOp op);
-// Root's buf ends as the reduction; other ranks' bufs are left unspecified (used as scratch).
+// Root's buf ends as the reduction; other ranks' bufs are only read.
 void reduce(const Context& ctx, void* buf, std::size_t count, DataType t, ReduceOp op, int root);
 // out (size * bytes) = concatenation of every rank's `in` (bytes each), in rank order.
 // `in` may alias out + rank * bytes.

@@ -578,8 +578,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& 
   const bool is_root = getRank() == root;
   return enqueue(c10d::OpType::REDUCE, "reduce", opts.timeout, {}, tensors,
                  [this, t, r, dt, root, size, is_root](std::uint32_t tag, Clock::time_point dl) {
-                   // Non-roots keep their input: the algorithm uses its buffer as scratch.
-                   at::Tensor buf = is_root ? t : t.clone();
+                   // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
+                   at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
                    apply_scale(buf, r.pre_scale);
                    coll::reduce(context("reduce", tag, dl), buf.data_ptr(), buf.numel(), dt, r.op,
                                 root);

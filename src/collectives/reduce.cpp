@@ -4,6 +4,8 @@
 //     Context::algorithm). Measured on the 2-core VM with 3 and 4 ranks at 16 MiB it was no faster
 //     than the pipelined tree, so the selector does not pick it.
 // Device buffers are staged through host memory.
+#include <cstring>
+
 #include "algo.hpp"
 
 namespace commux::coll {
@@ -20,6 +22,12 @@ void reduce(const Context& ctx, void* buf, std::size_t count, DataType t, Reduce
   if (n == 1 || count == 0) return;
   detail::HostStage host(ex, buf, bytes, true);
   a.buf = host.data();
+  // A non-root's buffer is only read: the binomial tree never writes it, the others get a copy.
+  if (ex.rank() != root && &algo != &detail::algo::reduce_binomial && a.buf == buf) {
+    char* copy = ex.scratch(bytes);
+    std::memcpy(copy, a.buf, bytes);
+    a.buf = copy;
+  }
   algo.run(ex, a);
   if (ex.rank() == root) host.store();
 }
