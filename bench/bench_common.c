@@ -35,8 +35,7 @@ const char* bench_common_usage(void) {
          "  --json FILE     write the JSON there instead of stdout\n";
 }
 
-/* "4K" -> 4096; 0 on a malformed or zero size. */
-static size_t parse_size(const char* text, const char** end) {
+size_t bench_parse_size(const char* text, const char** end) {
   char* stop = NULL;
   errno = 0;
   const unsigned long long v = strtoull(text, &stop, 10);
@@ -57,7 +56,7 @@ static int parse_sizes(bench_args* a, const char* text) {
   const char* p = text;
   while (*p != '\0') {
     const char* end = p;
-    const size_t s = parse_size(p, &end);
+    const size_t s = bench_parse_size(p, &end);
     if (s == 0 || (*end != ',' && *end != '\0') || a->nsizes == BENCH_MAX_SIZES) {
       fprintf(stderr, "--sizes '%s': want up to %d sizes > 0 like 8,4K,1M\n", text,
               BENCH_MAX_SIZES);
@@ -289,7 +288,7 @@ void bench_print_row(FILE* f, const bench_row* r) {
   fflush(f);
 }
 
-static void json_string(FILE* f, const char* s) {
+void bench_json_string(FILE* f, const char* s) {
   fputc('"', f);
   for (; *s != '\0'; ++s) {
     const unsigned char c = (unsigned char)*s;
@@ -306,7 +305,7 @@ static void json_string(FILE* f, const char* s) {
 
 static void json_row(FILE* f, const bench_row* r) {
   fputs("{\"mode\": ", f);
-  json_string(f, r->mode);
+  bench_json_string(f, r->mode);
   fprintf(f,
           ", \"size\": %zu, \"iters\": %ld, \"reps\": %d, \"time_us_median\": %.6g, "
           "\"time_us_min\": %.6g, \"gbps\": %.6g, \"wrong\": %" PRIu64 "}",
@@ -321,13 +320,13 @@ int bench_write_json(const char* path, const char* program, const bench_kv* info
     return -1;
   }
   fputs("{\"program\": ", f);
-  json_string(f, program);
+  bench_json_string(f, program);
   fputs(", \"info\": {", f);
   for (int i = 0; i < ninfo; ++i) {
     fputs(i > 0 ? ", " : "", f);
-    json_string(f, info[i].key);
+    bench_json_string(f, info[i].key);
     fputs(": ", f);
-    json_string(f, info[i].value);
+    bench_json_string(f, info[i].value);
   }
   fputs("}, \"rows\": [", f);
   for (int i = 0; i < nrows; ++i) {

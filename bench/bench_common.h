@@ -53,6 +53,10 @@ void bench_args_init(bench_args* a);
  * for a flag it does not know, -1 (after a message on stderr) for a bad value. */
 int bench_parse_common(bench_args* a, int argc, char** argv, int* i);
 const char* bench_common_usage(void);
+/* "4K" -> 4096 (K, M, G suffixes); 0 on a malformed or zero size; *end after the size. */
+size_t bench_parse_size(const char* text, const char** end);
+/* Writes s as a JSON string literal. */
+void bench_json_string(FILE* f, const char* s);
 
 /* One size's schedule: `iters` timed iterations per repetition, `reps` repetitions after one
  * warm-up repetition, at most `window` messages in flight, `slots` messages per slab. */

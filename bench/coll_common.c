@@ -32,29 +32,12 @@ const char* coll_usage(void) {
          "  --json FILE       write the JSON there instead of stdout\n";
 }
 
-/* "4K" -> 4096; 0 on a malformed or zero size. */
-static size_t parse_size(const char* text, const char** end) {
-  char* stop = NULL;
-  errno = 0;
-  const unsigned long long v = strtoull(text, &stop, 10);
-  if (stop == text || errno != 0) return 0;
-  unsigned shift = 0;
-  switch (toupper((unsigned char)*stop)) {
-    case 'K': shift = 10; ++stop; break;
-    case 'M': shift = 20; ++stop; break;
-    case 'G': shift = 30; ++stop; break;
-    default: break;
-  }
-  *end = stop;
-  return (size_t)(v << shift);
-}
-
 static int parse_sizes(coll_args* a, const char* text) {
   a->nsizes = 0;
   const char* p = text;
   while (*p != '\0') {
     const char* end = p;
-    const size_t s = parse_size(p, &end);
+    const size_t s = bench_parse_size(p, &end);
     if (s == 0 || (*end != ',' && *end != '\0') || a->nsizes == COLL_MAX_SIZES) return -1;
     a->sizes[a->nsizes++] = s;
     p = *end == ',' ? end + 1 : end;
@@ -129,7 +112,7 @@ int coll_parse_args(coll_args* a, int argc, char** argv, const char* program) {
       rc = parse_long(value, 0, 1000000, &a->warmup);
     } else if (strcmp(flag, "--rep-bytes") == 0) {
       const char* end = value;
-      a->rep_bytes = parse_size(value, &end);
+      a->rep_bytes = bench_parse_size(value, &end);
       rc = a->rep_bytes > 0 && *end == '\0' ? 0 : -1;
     } else if (strcmp(flag, "--min-iters") == 0) {
       rc = parse_long(value, 1, 1000000, &a->min_iters);
@@ -314,9 +297,9 @@ coll_row coll_run_size(const coll_args* a, const coll_backend* b, coll_op op, in
   int nwarm = 0;
   b->barrier(b->ctx);
   for (long i = 0; i < warmup; ++i) {
-    const double w0 = coll_now_us();
+    const double w0 = bench_now_us();
     b->run(b->ctx, op, &s, in, out);
-    if (nwarm < COLL_MAX_REPS) warm[nwarm++] = coll_now_us() - w0;
+    if (nwarm < COLL_MAX_REPS) warm[nwarm++] = bench_now_us() - w0;
   }
   qsort(warm, (size_t)nwarm, sizeof(double), compare_double);
   const double warm_us = warm[nwarm / 2];
@@ -331,9 +314,9 @@ coll_row coll_run_size(const coll_args* a, const coll_backend* b, coll_op op, in
   reps = (int)plan[1];
   for (int k = 0; k < reps; ++k) {
     b->barrier(b->ctx);
-    const double t0 = coll_now_us();
+    const double t0 = bench_now_us();
     for (long i = 0; i < iters; ++i) b->run(b->ctx, op, &s, in, out);
-    row.times_us[k] = (coll_now_us() - t0) / (double)iters;
+    row.times_us[k] = (bench_now_us() - t0) / (double)iters;
   }
   b->barrier(b->ctx);
   coll_prepare_check(op, b->rank, &s, in, out, salt);
@@ -351,47 +334,7 @@ coll_row coll_run_size(const coll_args* a, const coll_backend* b, coll_op op, in
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Time, watchdog, output */
-
-double coll_now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static char watchdog_message[256];
-
-static void watchdog_fired(int sig) {
-  (void)sig;
-  const ssize_t w = write(STDERR_FILENO, watchdog_message, strlen(watchdog_message));
-  (void)w;
-  _exit(COLL_EXIT_ERROR);
-}
-
-void coll_arm_watchdog(int seconds, const char* who) {
-  snprintf(watchdog_message, sizeof(watchdog_message),
-           "%s: watchdog: still running after %d s, giving up\n", who, seconds);
-  struct sigaction sa;
-  memset(&sa, 0, sizeof(sa));
-  sa.sa_handler = watchdog_fired;
-  sigaction(SIGALRM, &sa, NULL);
-  alarm((unsigned)seconds);
-}
-
-static void json_string(FILE* f, const char* s) {
-  fputc('"', f);
-  for (; *s != '\0'; ++s) {
-    const unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') {
-      fprintf(f, "\\%c", c);
-    } else if (c < 0x20) {
-      fprintf(f, "\\u%04x", c);
-    } else {
-      fputc(c, f);
-    }
-  }
-  fputc('"', f);
-}
+ * Output (time and the watchdog come from bench_common) */
 
 int coll_write_json(const char* path, const char* program, const char* backend, int world,
                     const char* const* info_kv, int ninfo, const coll_row* rows, int nrows) {
@@ -401,22 +344,22 @@ int coll_write_json(const char* path, const char* program, const char* backend, 
     return -1;
   }
   fputs("{\"program\": ", f);
-  json_string(f, program);
+  bench_json_string(f, program);
   fputs(", \"backend\": ", f);
-  json_string(f, backend);
+  bench_json_string(f, backend);
   fprintf(f, ", \"world\": %d, \"info\": {", world);
   for (int i = 0; i < ninfo; ++i) {
     fputs(i > 0 ? ", " : "", f);
-    json_string(f, info_kv[2 * i]);
+    bench_json_string(f, info_kv[2 * i]);
     fputs(": ", f);
-    json_string(f, info_kv[2 * i + 1]);
+    bench_json_string(f, info_kv[2 * i + 1]);
   }
   fputs("}, \"rows\": [", f);
   for (int i = 0; i < nrows; ++i) {
     const coll_row* r = &rows[i];
     fputs(i > 0 ? ",\n  " : "\n  ", f);
     fputs("{\"op\": ", f);
-    json_string(f, coll_op_name(r->op));
+    bench_json_string(f, coll_op_name(r->op));
     fprintf(f, ", \"bytes\": %zu, \"count\": %zu, \"iters\": %ld, \"warmup\": %ld, \"reps\": %d, "
                "\"times_us\": [", r->bytes, r->count, r->iters, r->warmup, r->reps);
     for (int k = 0; k < r->reps; ++k) fprintf(f, "%s%.6g", k > 0 ? ", " : "", r->times_us[k]);

@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "bench_common.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -133,8 +135,6 @@ typedef struct {
 coll_row coll_run_size(const coll_args* a, const coll_backend* b, coll_op op, int size_index,
                        float* in, float* out);
 
-double coll_now_us(void);
-void coll_arm_watchdog(int seconds, const char* who);
 
 /* {"program", "backend", "world", "info": {...}, "rows": [...]} to path (stdout when NULL). */
 int coll_write_json(const char* path, const char* program, const char* backend, int world,

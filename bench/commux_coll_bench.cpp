@@ -137,7 +137,7 @@ std::string join(const std::vector<std::string>& items, const char* sep) {
 
 int rank_main(const coll_args& a, const std::string& dir, int rank) {
   const std::string who = "commux_coll_bench rank " + std::to_string(rank);
-  coll_arm_watchdog(a.timeout_s, who.c_str());
+  bench_arm_watchdog(a.timeout_s, who.c_str());
   try {
     Communicator comm(std::make_shared<commux::FileStore>(dir), rank, a.np);
     Rank r;
@@ -197,16 +197,16 @@ int child_status(int rank, int status) {
 // Waits for every rank; kills what is left at the deadline, or kGraceS after one rank failed.
 int wait_ranks(const std::vector<pid_t>& pids, int timeout_s) {
   std::vector<int> codes(pids.size(), -1);
-  double deadline = coll_now_us() + (timeout_s + kGraceS) * 1e6;
+  double deadline = bench_now_us() + (timeout_s + kGraceS) * 1e6;
   auto pending = [&] { return std::count(codes.begin(), codes.end(), -1) > 0; };
   while (pending()) {
     for (std::size_t r = 0; r < pids.size(); ++r) {
       int status = 0;
       if (codes[r] >= 0 || waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
       codes[r] = child_status(static_cast<int>(r), status);
-      if (codes[r] == COLL_EXIT_ERROR) deadline = std::min(deadline, coll_now_us() + kGraceS * 1e6);
+      if (codes[r] == COLL_EXIT_ERROR) deadline = std::min(deadline, bench_now_us() + kGraceS * 1e6);
     }
-    if (coll_now_us() > deadline) {
+    if (bench_now_us() > deadline) {
       for (std::size_t r = 0; r < pids.size(); ++r) {
         if (codes[r] >= 0) continue;
         std::fprintf(stderr, "commux_coll_bench: rank %zu did not finish in time, killing it\n", r);

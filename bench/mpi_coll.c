@@ -113,7 +113,7 @@ int main(int argc, char** argv) {
     if (sh.count > max_count) max_count = sh.count;
     if (g.count > max_count) max_count = g.count;
   }
-  coll_arm_watchdog(a.timeout_s, c.rank == 0 ? "mpi_coll rank 0" : "mpi_coll rank > 0");
+  bench_arm_watchdog(a.timeout_s, c.rank == 0 ? "mpi_coll rank 0" : "mpi_coll rank > 0");
   float* in = alloc_floats(max_count);
   float* out = alloc_floats(max_count);
   const coll_backend b = {&c, c.rank, c.n, run, barrier, share_plan, gather_results};

@@ -34,7 +34,6 @@ a failure.
 """
 import argparse
 import datetime
-import faulthandler
 import json
 import os
 import statistics
@@ -42,10 +41,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import coll_bench as cb  # noqa: E402  (the rank launcher)
 import run_bench as rb  # noqa: E402  (CPU load, placement wording, size names, ...)
 
 import torch  # noqa: E402
@@ -171,63 +170,13 @@ def run_rank(job):
     return result
 
 
-def rank_entry(rank, world, port, job, out_dir):
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
-    faulthandler.dump_traceback_later(LAUNCH_TIMEOUT_S - 30, exit=True)
-    out = Path(out_dir)
-    try:
-        result = run_rank(job)
-    except Exception:  # noqa: BLE001 -- record exactly what failed, on which rank
-        text = traceback.format_exc()
-        print(f"torch_bench: rank {rank}: error:\n{text}", file=sys.stderr, flush=True)
-        (out / f"rank{rank}.err").write_text(text)
-        sys.exit(1)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    sys.exit(0)
-
-
 # ------------------------------------------------------------------------------------------------
 # The parent: rounds, launches, medians, the report
 
 def launch(world, job):
-    """Runs one launch of `world` ranks; returns ({rank: result}, [error texts])."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="torch-bench-") as tmp:
-        port = rb.free_port()
-        procs = [ctx.Process(target=rank_entry, args=(r, world, port, job, tmp))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        failed_at = None
-        while any(p.exitcode is None for p in procs):
-            time.sleep(0.05)
-            now = time.monotonic()
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = now  # the others get a moment to report their own errors
-            if now > deadline or (failed_at is not None and now > failed_at + 15):
-                for p in procs:
-                    if p.exitcode is None:
-                        p.kill()
-                for p in procs:
-                    p.join()
-                break
-        results, errors = {}, []
-        for r, p in enumerate(procs):
-            path, err = Path(tmp) / f"rank{r}.json", Path(tmp) / f"rank{r}.err"
-            if path.exists():
-                results[r] = json.loads(path.read_text())
-            elif err.exists():
-                errors.append(f"{world}-rank launch, rank {r}: {err.read_text().strip()}")
-            elif p.exitcode is not None and p.exitcode < 0 and failed_at is None:
-                errors.append(f"{world}-rank launch, rank {r}: killed after {LAUNCH_TIMEOUT_S} s")
-            else:
-                errors.append(f"{world}-rank launch, rank {r}: exit status {p.exitcode}, "
-                              "no result")
-    return results, errors
+    """Runs one launch of `world` ranks with coll_bench's launcher (deadline, kill 15 s after a
+    rank fails, per-rank results or error texts); returns ({rank: result}, [error texts])."""
+    return cb.launch_ranks(world, run_rank, job, LAUNCH_TIMEOUT_S, f"{world}-rank launch")
 
 
 def placement_ns(build):
