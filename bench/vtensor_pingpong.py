@@ -15,12 +15,13 @@ which receives them and sends the same tensors back. Configurations, side by sid
   batch+GROUP     the same with COMMUX_GROUP=1: the window defers the posts and flushes them
                   together (a commux without it ignores the variable: the run stays correct)
 
-The environment variables are read when the process group is created, so each environment is its
-own launch: per round, one launch without them (loop, list, batch, interleaved per size), one
-with COMMUX_COALESCE=1 (list) and one with COMMUX_GROUP=1 (batch), their order rotating with the
-round. Each iteration is timed on rank 0 (one-way = half the round trip; median over iterations,
-then over rounds). Every iteration's echo is compared byte for byte with what was sent (payloads
-change every iteration; receive buffers are zeroed first): #wrong counts wrong bytes.
+The environment variables are read when a process group is created, so each rank creates one group
+per setting (COMMUX_COALESCE=1 and COMMUX_GROUP=1 set only while new_group runs) and all five
+configurations run in the same launch, interleaved per (V, size), their order alternating. The
+VM's small-message latency differs from launch to launch (see the README), so only same-launch
+comparisons are meaningful. Each iteration is timed on rank 0 (one-way = half the round trip;
+median over iterations, then over rounds). Every iteration's echo is compared byte for byte with
+what was sent (payloads change every iteration; receive buffers are zeroed first): #wrong counts wrong bytes.
 
 Writes results.json and table.md to --out (default results/vtensor/). Exit status 1 when a byte
 was wrong or a launch failed. UCX_NET_DEVICES=lo unless set.
@@ -44,12 +45,11 @@ SIZES = [8, 4 << 10, 64 << 10]
 QUICK_VS = [1, 4]
 QUICK_SIZES = [8, 64 << 10]
 CONFIGS = ["loop", "list", "list+COALESCE", "batch", "batch+GROUP"]
-# Launch environments: (name, env, modes). None unsets a variable the caller may have set.
-LAUNCHES = [
-    ("plain", {"COMMUX_COALESCE": None, "COMMUX_GROUP": None}, ["loop", "list", "batch"]),
-    ("COMMUX_COALESCE=1", {"COMMUX_COALESCE": "1", "COMMUX_GROUP": None}, ["list+COALESCE"]),
-    ("COMMUX_GROUP=1", {"COMMUX_COALESCE": None, "COMMUX_GROUP": "1"}, ["batch+GROUP"]),
-]
+# The launch environment: None unsets a variable the caller may have set (the groups that need
+# one set it themselves while they are created).
+LAUNCH_ENV = {"COMMUX_COALESCE": None, "COMMUX_GROUP": None}
+# The setting each configuration's group is created with.
+SETTING = {"list+COALESCE": "COMMUX_COALESCE", "batch+GROUP": "COMMUX_GROUP"}
 REP_BYTES, MIN_ITERS, MAX_ITERS = 8 << 20, 40, 500
 QUICK_REP_BYTES, QUICK_MIN_ITERS, QUICK_MAX_ITERS = 1 << 20, 10, 60
 LAUNCH_TIMEOUT_S = 300
@@ -65,8 +65,9 @@ def iterations(v, size, quick):
 # ------------------------------------------------------------------------------------------------
 # Inside a rank
 
-def transfer(mode, pg, tensors, peer, sending):
-    """One direction of one iteration: all V tensors to (or from) peer, waited for."""
+def transfer(mode, group, pg, tensors, peer, sending):
+    """One direction of one iteration: all V tensors to (or from) peer, waited for. `group` is
+    the configuration's process group, `pg` its CPU backend object."""
     import torch.distributed as dist
     base = mode.split("+")[0]
     if base == "list":
@@ -74,26 +75,26 @@ def transfer(mode, pg, tensors, peer, sending):
         work.wait()
     elif base == "loop":
         fn = dist.isend if sending else dist.irecv
-        reqs = [fn(t, peer, tag=k) for k, t in enumerate(tensors)]
+        reqs = [fn(t, peer, group=group, tag=k) for k, t in enumerate(tensors)]
         for r in reqs:
             r.wait()
     else:  # batch
         fn = dist.isend if sending else dist.irecv
-        reqs = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, tag=k)
+        reqs = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group=group, tag=k)
                                        for k, t in enumerate(tensors)])
         for r in reqs:
             r.wait()
 
 
-def pingpong(mode, pg, rank, v, size, iters, warmup):
+def pingpong(mode, group, pg, rank, v, size, iters, warmup):
     """Returns (one-way µs per timed iteration, wrong bytes), on rank 0."""
     import torch
     n_total = warmup + iters
     if rank == 1:
         bufs = [torch.zeros(size, dtype=torch.uint8) for _ in range(v)]
         for _ in range(n_total):
-            transfer(mode, pg, bufs, 0, sending=False)
-            transfer(mode, pg, bufs, 0, sending=True)
+            transfer(mode, group, pg, bufs, 0, sending=False)
+            transfer(mode, group, pg, bufs, 0, sending=True)
         return [], 0
     ramp = torch.arange(size, dtype=torch.int64)
     sent = [((ramp + 37 * k) % 251).to(torch.uint8) for k in range(v)]
@@ -106,8 +107,8 @@ def pingpong(mode, pg, rank, v, size, iters, warmup):
         for t in back:
             t.fill_(0)
         t0 = clock()
-        transfer(mode, pg, sent, 1, sending=True)
-        transfer(mode, pg, back, 1, sending=False)
+        transfer(mode, group, pg, sent, 1, sending=True)
+        transfer(mode, group, pg, back, 1, sending=False)
         t1 = clock()
         for s, b in zip(sent, back):
             if not torch.equal(s, b):
@@ -126,7 +127,18 @@ def run_rank(job):
     rank = int(os.environ["RANK"])
     dist.init_process_group("ucx", init_method="env://",
                             timeout=datetime.timedelta(seconds=job["op_timeout_s"]))
-    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    groups = {}
+    for mode in job["modes"]:
+        var = SETTING.get(mode)
+        if var is None:
+            groups[mode] = dist.distributed_c10d._get_default_group()
+            continue
+        os.environ[var] = "1"  # read when the group is created
+        try:
+            groups[mode] = dist.new_group(backend="ucx")
+        finally:
+            os.environ.pop(var, None)
     rows = []
     k = 0
     for v in job["vs"]:
@@ -135,15 +147,16 @@ def run_rank(job):
             modes = job["modes"] if (job["round"] + k) % 2 == 0 else job["modes"][::-1]
             k += 1
             for mode in modes:
-                times, wrong = pingpong(mode, pg, rank, v, size, iters, warmup)
+                g = groups[mode]
+                times, wrong = pingpong(mode, g, g._get_backend(cpu), rank, v, size, iters,
+                                        warmup)
                 rows.append({"config": mode, "v": v, "size": size, "iters": iters,
                              "warmup": warmup, "wrong": wrong,
                              "median_us": statistics.median(times) if times else None,
                              "min_us": min(times) if times else None})
     dist.barrier()
     dist.destroy_process_group()
-    env = {k: os.environ.get(k) for k in ("COMMUX_COALESCE", "COMMUX_GROUP")}
-    return {"rank": rank, "rows": rows, "env": env}
+    return {"rank": rank, "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,19 +168,17 @@ def one_round(args, index, errors):
           flush=True)
     start, cpu_before = time.monotonic(), rb.cpu_seconds()
     placement = [cb.placement_ns(args.build)]
-    launches = LAUNCHES[index % len(LAUNCHES):] + LAUNCHES[:index % len(LAUNCHES)]
     rows = []
-    for name, env, modes in launches:
-        job = {"vs": args.vs, "sizes": args.sizes, "modes": modes, "round": index,
-               "quick": args.quick, "op_timeout_s": 60, "env": env}
-        results, errs = cb.launch_ranks(2, run_rank, job, LAUNCH_TIMEOUT_S,
-                                        f"vtensor {name} round {index + 1}")
-        errors += errs
-        for e in errs:
-            print(f"vtensor_pingpong: {e}", file=sys.stderr, flush=True)
-        if 0 in results and 1 in results:
-            for r0, r1 in zip(results[0]["rows"], results[1]["rows"]):
-                rows.append(dict(r0, wrong=r0["wrong"] + r1["wrong"], round=index))
+    job = {"vs": args.vs, "sizes": args.sizes, "modes": CONFIGS, "round": index,
+           "quick": args.quick, "op_timeout_s": 60, "env": LAUNCH_ENV}
+    results, errs = cb.launch_ranks(2, run_rank, job, LAUNCH_TIMEOUT_S,
+                                    f"vtensor round {index + 1}")
+    errors += errs
+    for e in errs:
+        print(f"vtensor_pingpong: {e}", file=sys.stderr, flush=True)
+    if 0 in results and 1 in results:
+        for r0, r1 in zip(results[0]["rows"], results[1]["rows"]):
+            rows.append(dict(r0, wrong=r0["wrong"] + r1["wrong"], round=index))
     placement.append(cb.placement_ns(args.build))
     return {"round": index, "placement_ns": placement, "rows": rows,
             "load": rb.other_load(cpu_before, rb.cpu_seconds(), time.monotonic() - start)}
@@ -217,8 +228,8 @@ def markdown(args, info, rounds, rows, errors, elapsed):
            f"- placement (CPU 0<->1 handoff before -> after): {place}",
            "- one-way µs: half the round trip of V tensors there and back (median over "
            "iterations, then over rounds); loop: V isend/irecv; list: one pg.send/recv of the "
-           "list; batch: batch_isend_irecv; +COALESCE / +GROUP: launched with COMMUX_COALESCE=1 "
-           "/ COMMUX_GROUP=1",
+           "list; batch: batch_isend_irecv; +COALESCE / +GROUP: a group created with "
+           "COMMUX_COALESCE=1 / COMMUX_GROUP=1, in the same launch",
            "- the installed commux mentions: " + ", ".join(
                f"{k} {'yes' if v else 'no (the variable is set but has no effect)'}"
                for k, v in info["knows"].items()),
