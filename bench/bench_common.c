@@ -312,15 +312,21 @@ static void json_row(FILE* f, const bench_row* r) {
           r->size, r->iters, r->reps, r->time_us_median, r->time_us_min, r->gbps, r->wrong);
 }
 
-int bench_write_json(const char* path, const char* program, const bench_kv* info, int ninfo,
-                     const bench_row* rows, int nrows) {
+FILE* bench_json_open(const char* path, const char* program) {
   FILE* f = path != NULL ? fopen(path, "w") : stdout;
   if (f == NULL) {
     fprintf(stderr, "%s: cannot write %s: %s\n", program, path, strerror(errno));
-    return -1;
+    return NULL;
   }
   fputs("{\"program\": ", f);
   bench_json_string(f, program);
+  return f;
+}
+
+int bench_write_json(const char* path, const char* program, const bench_kv* info, int ninfo,
+                     const bench_row* rows, int nrows) {
+  FILE* f = bench_json_open(path, program);
+  if (f == NULL) return -1;
   fputs(", \"info\": {", f);
   for (int i = 0; i < ninfo; ++i) {
     fputs(i > 0 ? ", " : "", f);

@@ -57,6 +57,9 @@ const char* bench_common_usage(void);
 size_t bench_parse_size(const char* text, const char** end);
 /* Writes s as a JSON string literal. */
 void bench_json_string(FILE* f, const char* s);
+/* Opens path (stdout when NULL) and writes the JSON object's start: {"program": "<program>".
+   NULL, with a message on stderr, when it cannot. */
+FILE* bench_json_open(const char* path, const char* program);
 
 /* One size's schedule: `iters` timed iterations per repetition, `reps` repetitions after one
  * warm-up repetition, at most `window` messages in flight, `slots` messages per slab. */

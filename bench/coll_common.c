@@ -338,13 +338,8 @@ coll_row coll_run_size(const coll_args* a, const coll_backend* b, coll_op op, in
 
 int coll_write_json(const char* path, const char* program, const char* backend, int world,
                     const char* const* info_kv, int ninfo, const coll_row* rows, int nrows) {
-  FILE* f = path != NULL ? fopen(path, "w") : stdout;
-  if (f == NULL) {
-    fprintf(stderr, "%s: cannot write %s: %s\n", program, path, strerror(errno));
-    return -1;
-  }
-  fputs("{\"program\": ", f);
-  bench_json_string(f, program);
+  FILE* f = bench_json_open(path, program);
+  if (f == NULL) return -1;
   fputs(", \"backend\": ", f);
   bench_json_string(f, backend);
   fprintf(f, ", \"world\": %d, \"info\": {", world);

@@ -37,9 +37,7 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -179,27 +177,12 @@ def launch(world, job):
     return cb.launch_ranks(world, run_rank, job, LAUNCH_TIMEOUT_S, f"{world}-rank launch")
 
 
-def placement_ns(build):
-    """The CPU 0 <-> 1 cache-line handoff (ns), from commux_bench when it is built, else None."""
-    binary = Path(build) / "bench" / "commux_bench"
-    if not binary.exists():
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "placement.json"
-        try:
-            subprocess.run([str(binary), "--mode", "placement", "--json", str(out)],
-                           capture_output=True, timeout=60, check=False)
-            return json.loads(out.read_text())["rows"][0]["time_us_median"] * 1e3
-        except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired):
-            return None
-
-
 def one_round(args, index, backends):
     idle = rb.wait_for_idle(args.settle)
     print(f"torch_bench: round {index + 1} (CPUs {idle:.0%} busy before)", file=sys.stderr,
           flush=True)
     start, cpu_before = time.monotonic(), rb.cpu_seconds()
-    placement = [placement_ns(args.build)]
+    placement = [cb.placement_ns(args.build)]
     base_job = {"backends": backends, "round": index, "quick": args.quick,
                 "op_timeout_s": args.op_timeout,
                 "pp_sizes": QUICK_PP_SIZES if args.quick else PP_SIZES,
@@ -221,7 +204,7 @@ def one_round(args, index, backends):
                 for key, by_size in res["series"].items():
                     series[key] = {int(s): v for s, v in by_size.items()}
                 iters.update(res["iters"])
-    placement.append(placement_ns(args.build))
+    placement.append(cb.placement_ns(args.build))
     return {"placement_ns": placement,
             "load": rb.other_load(cpu_before, rb.cpu_seconds(), time.monotonic() - start),
             "series": series, "wrong": wrong, "iters": iters, "errors": errors}

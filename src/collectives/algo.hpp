@@ -192,6 +192,11 @@ std::pair<std::size_t, std::size_t> halving_first_keep(const std::size_t* off, i
 // block q and ends with all. Received sizes are checked.
 void doubling_allgather(Exchange& ex, char* base, const std::size_t* boff, int q, int n, MemoryType mem);
 
+// The fold of the ranks beyond the largest power of two (rabenseifner allreduce and reduce): a
+// kFoldIn rank receives its partner's whole buffer (checked) and reduces it into `buf`, the
+// partner (the lower rank) on the left.
+void fold_in(Exchange& ex, char* buf, std::size_t count, DataType t, ReduceOp op, int partner);
+
 // "for block 3" size check of a completed receive.
 void expect_bytes(Exchange& ex, std::size_t id, int peer, std::size_t expected, const char* what);
 

@@ -28,13 +28,7 @@ void run(Exchange& ex, const AllreduceArgs& a) {
     expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
     return;
   }
-  if (rd.role == Role::kFoldIn) {
-    char* tmp = ex.scratch(bytes);
-    const std::size_t id = ex.recv_host(tmp, bytes, rd.fold_peer);
-    ex.wait(id);
-    expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
-    reduce_into(a.buf, tmp, a.buf, a.count, a.t, a.op);
-  }
+  if (rd.role == Role::kFoldIn) fold_in(ex, a.buf, a.count, a.t, a.op, rd.fold_peer);
   const int p = pattern::pow2_floor(n), q = pattern::fold_newrank(r, n);
   const pattern::Blocks bl{a.count, p};
   std::vector<std::size_t> off(static_cast<std::size_t>(p) + 1), boff(static_cast<std::size_t>(p) + 1);

@@ -10,6 +10,15 @@
 
 namespace commux::coll::detail {
 
+void fold_in(Exchange& ex, char* buf, std::size_t count, DataType t, ReduceOp op, int partner) {
+  const std::size_t bytes = count * dtype_size(t);
+  char* tmp = ex.scratch(bytes);
+  const std::size_t id = ex.recv_host(tmp, bytes, partner);
+  ex.wait(id);
+  expect_bytes(ex, id, partner, bytes, nullptr);
+  reduce_into(buf, tmp, buf, count, t, op);
+}
+
 void expect_bytes(Exchange& ex, std::size_t id, int peer, std::size_t expected, const char* what) {
   if (ex.bytes(id) != expected) {
     ex.fail(Errc::kInvalidArgument, size_mismatch(peer, ex.bytes(id), expected, what));

@@ -2,7 +2,8 @@
 // leaves newrank q with block q of p reduced, and a binomial gather in newrank space
 // (pattern::halving_gather) collects the blocks on the root's newrank. A root that folded out gets
 // the result from its fold partner. Each rank sends about (p-1)/p of the buffer twice instead of
-// the whole buffer once per tree level. Non-root buffers are scratch.
+// the whole buffer once per tree level. It writes every rank's buffer: the entry point (reduce.cpp)
+// hands non-roots a scratch copy.
 #include <vector>
 
 #include "../algo.hpp"
@@ -32,13 +33,7 @@ void run(Exchange& ex, const ReduceArgs& a) {
     }
     return;
   }
-  if (rd.role == Role::kFoldIn) {
-    char* tmp = ex.scratch(bytes);
-    const std::size_t id = ex.recv_host(tmp, bytes, rd.fold_peer);
-    ex.wait(id);
-    expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
-    reduce_into(a.buf, tmp, a.buf, a.count, a.t, a.op);
-  }
+  if (rd.role == Role::kFoldIn) fold_in(ex, a.buf, a.count, a.t, a.op, rd.fold_peer);
   const int p = pattern::pow2_floor(n), q = pattern::fold_newrank(r, n);
   const pattern::Blocks bl{a.count, p};
   std::vector<std::size_t> off(static_cast<std::size_t>(p) + 1);
