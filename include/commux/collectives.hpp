@@ -12,7 +12,8 @@
 // scratch memory are touched after the function returns or throws.
 //
 // Ownership: the caller owns every buffer passed in for the duration of the call; scratch memory is
-// allocated (host memory) and freed inside. Buffers live in `Context::mem` memory.
+// allocated and freed inside (host memory, or Context::device's). Buffers live in `Context::mem`
+// memory.
 #pragma once
 
 #include <chrono>
@@ -56,6 +57,36 @@ void scale(void* buf, std::size_t count, DataType t, double factor);
 
 namespace coll {
 
+// The device side of collectives on device memory, injected by the caller (the torch backend
+// implements it with ATen on a stream of its own; a C++ program may implement it with its own
+// kernels). With Context::device set, a collective keeps its work in Context::mem memory: scratch
+// comes from allocate(), reductions and local copies run through reduce() and copy(), and nothing
+// is staged through host memory. Without it, device buffers are staged through host scratch and
+// reduced by the host kernels above (correct, but every byte crosses the host bus twice).
+//
+// Every call is complete when it returns (the data is ready for UCX to read), so an
+// implementation that queues device work synchronizes its own stream before returning. Each
+// collective calls synchronize() before it touches any buffer, so device work the caller queued
+// for its inputs (packing, scaling) on the DeviceOps' stream is complete first. Calls come from the
+// thread running the collective; the object must outlive the call.
+class DeviceOps {
+ public:
+  virtual ~DeviceOps() = default;
+  // Completes the device work queued so far (on the implementation's stream).
+  virtual void synchronize() = 0;
+  // Memory of at least `bytes` (bytes may be 0) in the Context's memory type, valid until
+  // release(). Throws on failure.
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void release(void* p) noexcept = 0;
+  // out[i] = a[i] OP b[i] for i < count; out may alias a or b. OP as in reduce_into().
+  virtual void reduce(void* out, const void* a, const void* b, std::size_t count, DataType t,
+                      ReduceOp op) = 0;
+  // Copies `bytes` (non-overlapping, or dst == src) between memories of the given types, one of
+  // which is the Context's device memory.
+  virtual void copy(void* dst, MemoryType dst_mem, const void* src, MemoryType src_mem,
+                    std::size_t bytes) = 0;
+};
+
 struct Context {
   Communicator* comm = nullptr;
   std::uint32_t tag = 0;  // identifies this collective instance; equal on every rank
@@ -68,6 +99,8 @@ struct Context {
   // handle the call (it declines, e.g. recursive doubling allgather on 6 ranks) gives way to the
   // selector's choice; an unknown name throws Error(kInvalidArgument) listing the valid ones.
   const char* algorithm = nullptr;
+  // Device work for buffers in device memory (see DeviceOps); nullptr: stage through the host.
+  DeviceOps* device = nullptr;
 };
 
 // Algorithm selection. `op` names a collective: "allreduce", "broadcast", "reduce", "allgather"

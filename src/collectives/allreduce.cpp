@@ -1,11 +1,12 @@
-// Allreduce (in place): validation, host staging and the selector. The algorithms are in
+// Allreduce (in place): validation, staging and the selector. The algorithms are in
 // algo/allreduce_*.cpp:
 //   * recursive_doubling: below kAllreduceSmallBytes, or with fewer elements than ranks;
 //   * halves: 2 ranks from kAllreduceSmallBytes up;
 //   * rabenseifner: 3+ ranks, power-of-two world sizes, from kAllreduceSmallBytes up to
 //     kAllreduceRabenseifnerBytes (fewer steps than the ring, the same volume);
 //   * ring: 3+ ranks otherwise (chunk-pipelined reduce-scatter + allgather).
-// Device buffers (ctx.mem != kHost) are staged through host memory: the kernels run on the host.
+// Device buffers (ctx.mem != kHost) are reduced on the device with Context::device; without it
+// they are staged through host memory and the host kernels reduce them.
 #include "algo.hpp"
 #include "patterns.hpp"
 
@@ -32,7 +33,7 @@ void allreduce(const Context& ctx, void* buf, std::size_t count, DataType t, Red
   detail::AllreduceArgs a{static_cast<char*>(buf), count, t, op};
   const auto& algo = detail::choose(ctx, detail::allreduce_table(), n, a, select(n, a));
   if (n == 1 || count == 0) return;
-  detail::HostStage host(ex, buf, bytes, true);
+  detail::WorkStage host(ex, buf, bytes, true);
   a.buf = host.data();
   algo.run(ex, a);
   host.store();

@@ -108,11 +108,18 @@ Exchange::Exchange(const Context& ctx) : ctx_(ctx), comm_(ctx.comm) {
     deadline_ = ctx.deadline;
   }
   reap_parked();
+  if (ctx_.device != nullptr) ctx_.device->synchronize();  // the caller's device work on inputs
 }
 
 Exchange::~Exchange() {
   abort();
-  for (auto& sc : scratch_) pool().give(sc.size, std::move(sc.data));
+  for (auto& sc : scratch_) {
+    if (sc.device != nullptr) {
+      ctx_.device->release(sc.device);
+    } else {
+      pool().give(sc.size, std::move(sc.data));
+    }
+  }
 }
 
 void Exchange::invalid(const Context& ctx, const std::string& what) {
@@ -169,9 +176,25 @@ void Exchange::wait_all() {
 std::size_t Exchange::bytes(std::size_t id) const { return reqs_[id].bytes(); }
 
 char* Exchange::scratch(std::size_t bytes) {
+  if (ctx_.device != nullptr) {
+    scratch_.reserve(scratch_.size() + 1);  // so that push_back cannot throw and leak the memory
+    void* p = ctx_.device->allocate(bytes);
+    scratch_.push_back(Scratch{nullptr, bytes, p});
+    return static_cast<char*>(p);
+  }
   auto b = pool().take(bytes);
-  scratch_.push_back(Scratch{std::move(b.second), b.first});
+  scratch_.push_back(Scratch{std::move(b.second), b.first, nullptr});
   return scratch_.back().data.get();
+}
+
+void Exchange::reduce(void* out, const void* a, const void* b, std::size_t count, DataType t,
+                      ReduceOp op) {
+  if (count == 0) return;
+  if (ctx_.device != nullptr) {
+    ctx_.device->reduce(out, a, b, count, t, op);
+  } else {
+    reduce_into(out, a, b, count, t, op);
+  }
 }
 
 void Exchange::copy(void* dst, MemoryType dst_mem, const void* src, MemoryType src_mem,
@@ -179,6 +202,10 @@ void Exchange::copy(void* dst, MemoryType dst_mem, const void* src, MemoryType s
   if (bytes == 0 || dst == src) return;
   if (dst_mem == MemoryType::kHost && src_mem == MemoryType::kHost) {
     std::memmove(dst, src, bytes);
+    return;
+  }
+  if (ctx_.device != nullptr) {
+    ctx_.device->copy(dst, dst_mem, src, src_mem, bytes);
     return;
   }
   const std::size_t r = recv(dst, bytes, rank_, dst_mem);
@@ -245,7 +272,11 @@ void Exchange::abort() noexcept {
     Parked& parked = p.lots.back();
     parked.scratch.reserve(scratch_.size());
     parked.reqs = std::move(stuck);
-    for (auto& sc : scratch_) parked.scratch.push_back(std::move(sc.data));
+    // Device scratch is left allocated (never released): UCX may still write into it, and the
+    // DeviceOps that could release it may be gone by the time the request completes.
+    for (auto& sc : scratch_) {
+      if (sc.data) parked.scratch.push_back(std::move(sc.data));
+    }
   } catch (...) {
     // Out of memory while parking: leak the scratch rather than free memory still in use.
     for (auto& sc : scratch_) static_cast<void>(sc.data.release());
@@ -253,15 +284,15 @@ void Exchange::abort() noexcept {
   scratch_.clear();
 }
 
-HostStage::HostStage(Exchange& ex, void* user, std::size_t bytes, bool load)
+WorkStage::WorkStage(Exchange& ex, void* user, std::size_t bytes, bool load)
     : ex_(ex), user_(user), bytes_(bytes), host_(static_cast<char*>(user)) {
-  if (ex.mem() == MemoryType::kHost) return;
+  if (ex.mem() == ex.work_mem()) return;
   host_ = ex.scratch(bytes);
   if (load) ex.copy(host_, MemoryType::kHost, user_, ex.mem(), bytes_);
 }
 
-void HostStage::store() {
-  if (ex_.mem() == MemoryType::kHost) return;
+void WorkStage::store() {
+  if (ex_.mem() == ex_.work_mem()) return;
   ex_.copy(user_, ex_.mem(), host_, MemoryType::kHost, bytes_);
 }
 

@@ -36,6 +36,9 @@ class Exchange {
   int rank() const { return rank_; }
   int size() const { return size_; }
   MemoryType mem() const { return ctx_.mem; }
+  // Where the collective works: scratch and staged user data live in this memory, and reductions
+  // run there. The user's memory when Context::device is set, else host memory.
+  MemoryType work_mem() const { return ctx_.device != nullptr ? ctx_.mem : MemoryType::kHost; }
   const char* op() const { return ctx_.op_name; }
 
   // Names the algorithm step in error messages ("ring reduce-scatter"), until the next call.
@@ -49,19 +52,27 @@ class Exchange {
   std::size_t recv_user(void* d, std::size_t b, int peer) { return recv(d, b, peer, ctx_.mem); }
   std::size_t send_host(const void* d, std::size_t b, int peer) { return send(d, b, peer, MemoryType::kHost); }
   std::size_t recv_host(void* d, std::size_t b, int peer) { return recv(d, b, peer, MemoryType::kHost); }
+  // Work memory: scratch() and staged buffers (WorkStage).
+  std::size_t send_work(const void* d, std::size_t b, int peer) { return send(d, b, peer, work_mem()); }
+  std::size_t recv_work(void* d, std::size_t b, int peer) { return recv(d, b, peer, work_mem()); }
 
   void wait(std::size_t id);
   void wait_all();  // every request posted so far
   // Bytes a completed receive got (call after wait(id)).
   std::size_t bytes(std::size_t id) const;
 
-  // Host scratch that lives as long as this Exchange (or longer if a request is parked). Buffers
-  // come from a small per-thread cache, so that repeated large collectives do not pay page faults
-  // on fresh memory every time; they go back to it when the Exchange ends cleanly.
+  // Scratch in work memory that lives as long as this Exchange (or longer if a request is
+  // parked). Host buffers come from a small per-thread cache, so that repeated large collectives do
+  // not pay page faults on fresh memory every time; they go back to it when the Exchange ends
+  // cleanly. Device buffers come from Context::device.
   char* scratch(std::size_t bytes);
 
+  // out[i] = a[i] OP b[i] in work memory: the host kernels, or Context::device's.
+  void reduce(void* out, const void* a, const void* b, std::size_t count, DataType t, ReduceOp op);
+
   // Copies `bytes` between two buffers of possibly different memory types: memcpy/memmove for
-  // host memory, a message to this rank itself otherwise (UCX moves device memory).
+  // host memory, Context::device's copy where it is set, else a message to this rank itself (UCX
+  // moves device memory).
   void copy(void* dst, MemoryType dst_mem, const void* src, MemoryType src_mem, std::size_t bytes);
 
   // Cancels what is outstanding and throws Error(code, "commux <op>: " + what).
@@ -87,17 +98,19 @@ class Exchange {
   std::size_t first_open_ = 0;  // every request before this index has been waited for
   std::size_t stuck_ = 0;       // requests abort() had to park
   struct Scratch {
-    std::unique_ptr<char[]> data;
+    std::unique_ptr<char[]> data;  // host scratch (from the pool)
     std::size_t size = 0;
+    void* device = nullptr;        // or device scratch (Context::device)
   };
   std::vector<Scratch> scratch_;
 };
 
-// Host view of a user buffer for the reductions: the buffer itself in host memory, else a host
-// copy (staged in at construction when `load`, written back by store()).
-class HostStage {
+// Work-memory view of a user buffer for the reductions: the buffer itself when it already is in
+// work memory (host buffers; device buffers with Context::device), else a host copy (staged in at
+// construction when `load`, written back by store()).
+class WorkStage {
  public:
-  HostStage(Exchange& ex, void* user, std::size_t bytes, bool load);
+  WorkStage(Exchange& ex, void* user, std::size_t bytes, bool load);
   char* data() const { return host_; }
   void store();  // copies the host view back to the user buffer (no-op for host memory)
 

@@ -1,11 +1,9 @@
-// Reduce to a root: validation, host staging and the selector. Algorithms in algo/reduce_*.cpp:
+// Reduce to a root: validation, staging and the selector. Algorithms in algo/reduce_*.cpp:
 //   * binomial (pipelined tree): the selector's choice for every size;
 //   * rabenseifner (recursive-halving reduce-scatter + gather): forced only (COMMUX_ALGO_REDUCE,
 //     Context::algorithm). Measured on the 2-core VM with 3 and 4 ranks at 16 MiB it was no faster
 //     than the pipelined tree, so the selector does not pick it.
-// Device buffers are staged through host memory.
-#include <cstring>
-
+// Device buffers are reduced on the device with Context::device, else staged through host memory.
 #include "algo.hpp"
 
 namespace commux::coll {
@@ -20,12 +18,12 @@ void reduce(const Context& ctx, void* buf, std::size_t count, DataType t, Reduce
   detail::ReduceArgs a{static_cast<char*>(buf), count, t, op, root};
   const auto& algo = detail::choose(ctx, detail::reduce_table(), n, a, "binomial");
   if (n == 1 || count == 0) return;
-  detail::HostStage host(ex, buf, bytes, true);
+  detail::WorkStage host(ex, buf, bytes, true);
   a.buf = host.data();
   // A non-root's buffer is only read: the binomial tree never writes it, the others get a copy.
   if (ex.rank() != root && &algo != &detail::algo::reduce_binomial && a.buf == buf) {
     char* copy = ex.scratch(bytes);
-    std::memcpy(copy, a.buf, bytes);
+    ex.copy(copy, ex.work_mem(), a.buf, ex.work_mem(), bytes);
     a.buf = copy;
   }
   algo.run(ex, a);

@@ -1,4 +1,4 @@
-// Reduce-scatter with per-rank counts: validation, host staging and the selector. Algorithms in
+// Reduce-scatter with per-rank counts: validation, staging and the selector. Algorithms in
 // algo/reduce_scatter_*.cpp:
 //   * recursive_halving: power-of-two world sizes, total below kReduceScatterSmallBytes;
 //   * ring: everything else.
@@ -31,8 +31,8 @@ void reduce_scatter(const Context& ctx, const void* in, void* out, const std::si
     ex.copy(out, ex.mem(), in, ex.mem(), mine_bytes);
     return;
   }
-  detail::HostStage src(ex, const_cast<void*>(in), total * es, true);
-  detail::HostStage dst(ex, out, mine_bytes, false);
+  detail::WorkStage src(ex, const_cast<void*>(in), total * es, true);
+  detail::WorkStage dst(ex, out, mine_bytes, false);
   a.in = src.data();
   a.out = dst.data();
   algo.run(ex, a);

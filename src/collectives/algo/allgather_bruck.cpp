@@ -19,20 +19,20 @@ void run(Exchange& ex, const AllgatherArgs& a) {
   const auto nn = static_cast<std::size_t>(n), ru = static_cast<std::size_t>(r);
   char* tmp = ex.scratch(nn * bytes);
   ex.phase("local copy");
-  ex.copy(tmp, MemoryType::kHost, a.in, ex.mem(), bytes);
+  ex.copy(tmp, ex.work_mem(), a.in, ex.mem(), bytes);
   ex.phase("bruck");
   for (const auto& st : pattern::bruck(r, n)) {
     const std::size_t len = static_cast<std::size_t>(st.blocks) * bytes;
-    const std::size_t id = ex.recv_host(tmp + static_cast<std::size_t>(st.recv_at) * bytes, len, st.recv_from);
-    const std::size_t s = ex.send_host(tmp, len, st.send_to);
+    const std::size_t id = ex.recv_work(tmp + static_cast<std::size_t>(st.recv_at) * bytes, len, st.recv_from);
+    const std::size_t s = ex.send_work(tmp, len, st.send_to);
     ex.wait(id);
     expect_bytes(ex, id, st.recv_from, len, "(bruck)");
     ex.wait(s);
   }
   ex.phase("rotation");
   // Slot i holds block (r + i) mod n: slots [0, n - r) go to blocks [r, n), the rest to [0, r).
-  ex.copy(a.out + ru * bytes, ex.mem(), tmp, MemoryType::kHost, (nn - ru) * bytes);
-  ex.copy(a.out, ex.mem(), tmp + (nn - ru) * bytes, MemoryType::kHost, ru * bytes);
+  ex.copy(a.out + ru * bytes, ex.mem(), tmp, ex.work_mem(), (nn - ru) * bytes);
+  ex.copy(a.out, ex.mem(), tmp + (nn - ru) * bytes, ex.work_mem(), ru * bytes);
 }
 
 }  // namespace

@@ -37,8 +37,8 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   const auto ku = static_cast<std::size_t>(k);
   auto post_pair = [&](int j) {
     const auto ju = static_cast<std::size_t>(j);
-    recv_own[ju] = ex.recv_host(tmp[j % 2], oc.size(j) * es, peer);
-    send_oth[ju] = ex.send_host(oth(j), xc.size(j) * es, peer);
+    recv_own[ju] = ex.recv_work(tmp[j % 2], oc.size(j) * es, peer);
+    send_oth[ju] = ex.send_work(oth(j), xc.size(j) * es, peer);
   };
   ex.phase("halves exchange");
   for (int j = 0; j < std::min(2, k); ++j) post_pair(j);
@@ -47,13 +47,13 @@ void run(Exchange& ex, const AllreduceArgs& a) {
     ex.wait(recv_own[ju]);
     expect_bytes(ex, recv_own[ju], peer, oc.size(j) * es, nullptr);
     if (r == 0) {
-      reduce_into(own(j), own(j), tmp[j % 2], oc.size(j), t, op);
+      ex.reduce(own(j), own(j), tmp[j % 2], oc.size(j), t, op);
     } else {
-      reduce_into(own(j), tmp[j % 2], own(j), oc.size(j), t, op);
+      ex.reduce(own(j), tmp[j % 2], own(j), oc.size(j), t, op);
     }
-    ex.send_host(own(j), oc.size(j) * es, peer);
+    ex.send_work(own(j), oc.size(j) * es, peer);
     ex.wait(send_oth[ju]);  // its memory now receives the peer's reduced chunk
-    ex.recv_host(oth(j), xc.size(j) * es, peer);
+    ex.recv_work(oth(j), xc.size(j) * es, peer);
     if (ju + 2 < ku) post_pair(j + 2);
   }
   ex.wait_all();

@@ -21,9 +21,9 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   using Role = pattern::RecursiveDoubling::Role;
   ex.phase("rabenseifner: fold");
   if (rd.role == Role::kFoldOut) {
-    ex.wait(ex.send_host(a.buf, bytes, rd.fold_peer));
+    ex.wait(ex.send_work(a.buf, bytes, rd.fold_peer));
     ex.phase("rabenseifner: result from the fold partner");
-    const std::size_t id = ex.recv_host(a.buf, bytes, rd.fold_peer);
+    const std::size_t id = ex.recv_work(a.buf, bytes, rd.fold_peer);
     ex.wait(id);
     expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
     return;
@@ -37,10 +37,10 @@ void run(Exchange& ex, const AllreduceArgs& a) {
     boff[static_cast<std::size_t>(b)] = off[static_cast<std::size_t>(b)] * es;
   }
   recursive_halving(ex, HalvingIo{a.buf, a.buf, 0, nullptr}, off.data(), q, n, a.t, a.op);
-  doubling_allgather(ex, a.buf, boff.data(), q, n, MemoryType::kHost);
+  doubling_allgather(ex, a.buf, boff.data(), q, n, ex.work_mem());
   if (rd.role == Role::kFoldIn) {
     ex.phase("rabenseifner: result to the fold partner");
-    ex.send_host(a.buf, bytes, rd.fold_peer);
+    ex.send_work(a.buf, bytes, rd.fold_peer);
   }
   ex.wait_all();
 }

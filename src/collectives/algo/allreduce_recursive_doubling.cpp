@@ -20,36 +20,36 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   char* tmp = ex.scratch(bytes);
   ex.phase("recursive doubling: fold");
   if (rd.role == Role::kFoldOut) {
-    const std::size_t s = ex.send_host(buf, bytes, rd.fold_peer);
+    const std::size_t s = ex.send_work(buf, bytes, rd.fold_peer);
     ex.wait(s);
     ex.phase("recursive doubling: result from the fold partner");
-    const std::size_t id = ex.recv_host(buf, bytes, rd.fold_peer);
+    const std::size_t id = ex.recv_work(buf, bytes, rd.fold_peer);
     ex.wait(id);
     expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
     return;
   }
   if (rd.role == Role::kFoldIn) {
-    const std::size_t id = ex.recv_host(tmp, bytes, rd.fold_peer);
+    const std::size_t id = ex.recv_work(tmp, bytes, rd.fold_peer);
     ex.wait(id);
     expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
-    reduce_into(buf, tmp, buf, count, a.t, a.op);  // the partner (lower rank) on the left
+    ex.reduce(buf, tmp, buf, count, a.t, a.op);  // the partner (lower rank) on the left
   }
   ex.phase("recursive doubling");
   for (int partner : rd.partners) {
-    const std::size_t id = ex.recv_host(tmp, bytes, partner);
-    const std::size_t s = ex.send_host(buf, bytes, partner);
+    const std::size_t id = ex.recv_work(tmp, bytes, partner);
+    const std::size_t s = ex.send_work(buf, bytes, partner);
     ex.wait(id);
     expect_bytes(ex, id, partner, bytes, nullptr);
     ex.wait(s);
     if (partner < r) {
-      reduce_into(buf, tmp, buf, count, a.t, a.op);
+      ex.reduce(buf, tmp, buf, count, a.t, a.op);
     } else {
-      reduce_into(buf, buf, tmp, count, a.t, a.op);
+      ex.reduce(buf, buf, tmp, count, a.t, a.op);
     }
   }
   if (rd.role == Role::kFoldIn) {
     ex.phase("recursive doubling: result to the fold partner");
-    ex.send_host(buf, bytes, rd.fold_peer);
+    ex.send_work(buf, bytes, rd.fold_peer);
     ex.wait_all();
   }
 }

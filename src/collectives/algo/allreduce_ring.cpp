@@ -44,14 +44,14 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   auto post = [&](std::size_t i) {
     const auto [s, j] = items[i];
     const int b = pattern::reduce_scatter_recv_block(r, n, s);
-    rid[i] = ex.recv_host(slot[i % static_cast<std::size_t>(nslots)], chunks(b).size(j) * es, left);
+    rid[i] = ex.recv_work(slot[i % static_cast<std::size_t>(nslots)], chunks(b).size(j) * es, left);
   };
   ex.phase("ring reduce-scatter");
   for (std::size_t i = 0; i < static_cast<std::size_t>(nslots); ++i) post(i);
   {
     const int b = pattern::reduce_scatter_send_block(r, n, 0);
     const pattern::Blocks c = chunks(b);
-    for (int j = 0; j < c.n; ++j) ex.send_host(at(b) + c.offset(j) * es, c.size(j) * es, right);
+    for (int j = 0; j < c.n; ++j) ex.send_work(at(b) + c.offset(j) * es, c.size(j) * es, right);
   }
   for (std::size_t i = 0; i < items.size(); ++i) {
     const auto [s, j] = items[i];
@@ -60,9 +60,9 @@ void run(Exchange& ex, const AllreduceArgs& a) {
     ex.wait(rid[i]);
     expect_bytes(ex, rid[i], left, c.size(j) * es, "(ring reduce-scatter)");
     char* dst = at(b) + c.offset(j) * es;
-    reduce_into(dst, slot[i % static_cast<std::size_t>(nslots)], dst, c.size(j), a.t, a.op);
+    ex.reduce(dst, slot[i % static_cast<std::size_t>(nslots)], dst, c.size(j), a.t, a.op);
     // Block b is what this rank sends at step s + 1: forward the chunk at once.
-    if (s + 1 < n - 1) ex.send_host(dst, c.size(j) * es, right);
+    if (s + 1 < n - 1) ex.send_work(dst, c.size(j) * es, right);
     if (i + static_cast<std::size_t>(nslots) < items.size()) post(i + static_cast<std::size_t>(nslots));
   }
   // The allgather receives into blocks that were sent above: those sends must be complete.
@@ -73,7 +73,7 @@ void run(Exchange& ex, const AllreduceArgs& a) {
     counts[static_cast<std::size_t>(b)] = bl.size(b) * es;
     displs[static_cast<std::size_t>(b)] = bl.offset(b) * es;
   }
-  ring_allgather(ex, a.buf, counts.data(), displs.data(), MemoryType::kHost);
+  ring_allgather(ex, a.buf, counts.data(), displs.data(), ex.work_mem());
 }
 
 }  // namespace

@@ -27,7 +27,7 @@ void run(Exchange& ex, const RootedArgs& a) {
   const auto size = static_cast<std::size_t>(pattern::subtree_size(v, n));
   const bool direct = r == root && root == 0;  // relative order is rank order
   char* buf = direct ? a.out : ex.scratch(size * bytes);
-  const MemoryType mem = direct ? ex.mem() : MemoryType::kHost;
+  const MemoryType mem = direct ? ex.mem() : ex.work_mem();
   ex.copy(buf, mem, a.in, ex.mem(), bytes);
   std::vector<std::size_t> ids, lens;
   for (int c : t.children) {
@@ -46,8 +46,8 @@ void run(Exchange& ex, const RootedArgs& a) {
   if (!direct) {
     const auto nn = static_cast<std::size_t>(n), ro = static_cast<std::size_t>(root);
     ex.phase("rotation");
-    ex.copy(a.out + ro * bytes, ex.mem(), buf, MemoryType::kHost, (nn - ro) * bytes);
-    ex.copy(a.out, ex.mem(), buf + (nn - ro) * bytes, MemoryType::kHost, ro * bytes);
+    ex.copy(a.out + ro * bytes, ex.mem(), buf, ex.work_mem(), (nn - ro) * bytes);
+    ex.copy(a.out, ex.mem(), buf + (nn - ro) * bytes, ex.work_mem(), ro * bytes);
   }
 }
 

@@ -13,10 +13,10 @@ namespace commux::coll::detail {
 void fold_in(Exchange& ex, char* buf, std::size_t count, DataType t, ReduceOp op, int partner) {
   const std::size_t bytes = count * dtype_size(t);
   char* tmp = ex.scratch(bytes);
-  const std::size_t id = ex.recv_host(tmp, bytes, partner);
+  const std::size_t id = ex.recv_work(tmp, bytes, partner);
   ex.wait(id);
   expect_bytes(ex, id, partner, bytes, nullptr);
-  reduce_into(buf, tmp, buf, count, t, op);
+  ex.reduce(buf, tmp, buf, count, t, op);
 }
 
 void expect_bytes(Exchange& ex, std::size_t id, int peer, std::size_t expected, const char* what) {
@@ -59,11 +59,11 @@ void recursive_halving(Exchange& ex, const HalvingIo& io, const std::size_t* off
     const auto nk = static_cast<std::size_t>(kc.n);
     std::vector<std::size_t> rids(nk);
     auto post = [&](std::size_t j) {
-      rids[j] = ex.recv_host(slot[j % kSlots], kc.size(static_cast<int>(j)) * es, peer);
+      rids[j] = ex.recv_work(slot[j % kSlots], kc.size(static_cast<int>(j)) * es, peer);
     };
     for (std::size_t j = 0; j < std::min(kSlots, nk); ++j) post(j);
     const char* from = k == 0 ? io.src + slo * es : acc(slo);
-    for (int j = 0; j < sc.n; ++j) ex.send_host(from + sc.offset(j) * es, sc.size(j) * es, peer);
+    for (int j = 0; j < sc.n; ++j) ex.send_work(from + sc.offset(j) * es, sc.size(j) * es, peer);
     for (std::size_t j = 0; j < nk; ++j) {
       const int jj = static_cast<int>(j);
       ex.wait(rids[j]);
@@ -73,16 +73,16 @@ void recursive_halving(Exchange& ex, const HalvingIo& io, const std::size_t* off
       char* dst = last && io.last != nullptr ? io.last + kc.offset(jj) * es : acc(e);
       const char* theirs = slot[j % kSlots];
       if (peer < me) {
-        reduce_into(dst, theirs, mine, kc.size(jj), t, op);
+        ex.reduce(dst, theirs, mine, kc.size(jj), t, op);
       } else {
-        reduce_into(dst, mine, theirs, kc.size(jj), t, op);
+        ex.reduce(dst, mine, theirs, kc.size(jj), t, op);
       }
       if (j + kSlots < nk) post(j + kSlots);
     }
     // Sends read ranges that are not written again during the halving; waited for below.
   }
   if (steps.empty() && io.last != nullptr) {
-    ex.copy(io.last, MemoryType::kHost, io.src + off[q] * es, MemoryType::kHost, (off[q + 1] - off[q]) * es);
+    ex.copy(io.last, ex.work_mem(), io.src + off[q] * es, ex.work_mem(), (off[q + 1] - off[q]) * es);
   }
   ex.wait_all();
 }

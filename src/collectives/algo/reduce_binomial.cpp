@@ -32,7 +32,7 @@ void run(Exchange& ex, const ReduceArgs& a) {
   std::vector<std::size_t> rid(2 * nk);
   const auto post = [&](int c, std::size_t i) {
     const std::size_t s = static_cast<std::size_t>(c % 2) * nk + i;
-    rid[s] = ex.recv_host(slot[s], ch.size(c) * es, kids[i]);
+    rid[s] = ex.recv_work(slot[s], ch.size(c) * es, kids[i]);
   };
   // Where chunk c's partial result goes: the root's own buffer (its output), else scratch.
   const bool inner = tree.parent >= 0 && nk > 0;
@@ -54,11 +54,11 @@ void run(Exchange& ex, const ReduceArgs& a) {
       ex.wait(rid[s]);
       expect_bytes(ex, rid[s], kids[i], ch.size(c) * es, nullptr);
       // out = (what this rank has so far) OP (the kid's subtree): own data stays on the left.
-      reduce_into(out, i == 0 ? at(c) : out, slot[s], ch.size(c), a.t, a.op);
+      ex.reduce(out, i == 0 ? at(c) : out, slot[s], ch.size(c), a.t, a.op);
       if (c + 2 < k) post(c + 2, i);
     }
     if (tree.parent >= 0) {
-      const std::size_t id = ex.send_host(out, ch.size(c) * es, tree.parent);
+      const std::size_t id = ex.send_work(out, ch.size(c) * es, tree.parent);
       if (inner) {
         acc_send[c % 2] = id;
         acc_busy[c % 2] = true;

@@ -24,10 +24,10 @@ void run(Exchange& ex, const ReduceArgs& a) {
   const bool root_out = pattern::fold_newrank(root, n) < 0;
   ex.phase("rabenseifner reduce: fold");
   if (rd.role == Role::kFoldOut) {
-    ex.wait(ex.send_host(a.buf, bytes, rd.fold_peer));
+    ex.wait(ex.send_work(a.buf, bytes, rd.fold_peer));
     if (r == root) {
       ex.phase("rabenseifner reduce: result from the fold partner");
-      const std::size_t id = ex.recv_host(a.buf, bytes, rd.fold_peer);
+      const std::size_t id = ex.recv_work(a.buf, bytes, rd.fold_peer);
       ex.wait(id);
       expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
     }
@@ -45,16 +45,16 @@ void run(Exchange& ex, const ReduceArgs& a) {
     char* at = a.buf + off[static_cast<std::size_t>(st.lo)] * es;
     const std::size_t len = (off[static_cast<std::size_t>(st.hi)] - off[static_cast<std::size_t>(st.lo)]) * es;
     if (st.send) {
-      ex.wait(ex.send_host(at, len, peer));
+      ex.wait(ex.send_work(at, len, peer));
     } else {
-      const std::size_t id = ex.recv_host(at, len, peer);
+      const std::size_t id = ex.recv_work(at, len, peer);
       ex.wait(id);
       expect_bytes(ex, id, peer, len, nullptr);
     }
   }
   if (root_out && q == qroot) {
     ex.phase("rabenseifner reduce: result to the root");
-    ex.wait(ex.send_host(a.buf, bytes, root));
+    ex.wait(ex.send_work(a.buf, bytes, root));
   }
   ex.wait_all();
 }

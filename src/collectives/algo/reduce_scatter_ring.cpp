@@ -40,7 +40,7 @@ void run(Exchange& ex, const ReduceScatterArgs& a) {
   ex.phase("ring reduce-scatter");
   const auto post_recv = [&](int s) {
     const int b = pattern::reduce_scatter_recv_block(r, n, s);
-    return ex.recv_host(recv_into(s), cnt(b) * es, left);
+    return ex.recv_work(recv_into(s), cnt(b) * es, left);
   };
   std::size_t rid = post_recv(0);
   std::size_t prev_send = 0;
@@ -48,7 +48,7 @@ void run(Exchange& ex, const ReduceScatterArgs& a) {
   for (int s = 0; s < steps; ++s) {
     const int sb = pattern::reduce_scatter_send_block(r, n, s);
     const char* data = s == 0 ? at(sb) : recv_into(s - 1);
-    const std::size_t sid = ex.send_host(data, cnt(sb) * es, right);
+    const std::size_t sid = ex.send_work(data, cnt(sb) * es, right);
     ex.wait(rid);
     const int rb = pattern::reduce_scatter_recv_block(r, n, s);
     expect_bytes(ex, rid, left, cnt(rb) * es, ("for block " + std::to_string(rb)).c_str());
@@ -57,9 +57,9 @@ void run(Exchange& ex, const ReduceScatterArgs& a) {
     const std::size_t next = s + 1 < steps ? post_recv(s + 1) : 0;
     char* got = recv_into(s);
     if (s == steps - 1) {
-      reduce_into(outb, got, at(rb), cnt(rb), a.t, a.op);  // out may alias the input block
+      ex.reduce(outb, got, at(rb), cnt(rb), a.t, a.op);  // out may alias the input block
     } else {
-      reduce_into(got, got, at(rb), cnt(rb), a.t, a.op);
+      ex.reduce(got, got, at(rb), cnt(rb), a.t, a.op);
     }
     prev_send = sid;
     have_prev_send = true;

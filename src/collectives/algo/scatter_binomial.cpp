@@ -26,7 +26,7 @@ void run(Exchange& ex, const RootedArgs& a) {
     return;
   }
   const char* buf = nullptr;
-  MemoryType mem = MemoryType::kHost;
+  MemoryType mem = ex.work_mem();
   if (r == root && root == 0) {
     buf = a.in;
     mem = ex.mem();
@@ -34,10 +34,10 @@ void run(Exchange& ex, const RootedArgs& a) {
     char* tmp = ex.scratch(size * bytes);
     if (r == root) {
       const auto nn = static_cast<std::size_t>(n), ro = static_cast<std::size_t>(root);
-      ex.copy(tmp, MemoryType::kHost, a.in + ro * bytes, ex.mem(), (nn - ro) * bytes);
-      ex.copy(tmp + (nn - ro) * bytes, MemoryType::kHost, a.in, ex.mem(), ro * bytes);
+      ex.copy(tmp, ex.work_mem(), a.in + ro * bytes, ex.mem(), (nn - ro) * bytes);
+      ex.copy(tmp + (nn - ro) * bytes, ex.work_mem(), a.in, ex.mem(), ro * bytes);
     } else {
-      const std::size_t id = ex.recv_host(tmp, size * bytes, t.parent);
+      const std::size_t id = ex.recv_work(tmp, size * bytes, t.parent);
       ex.wait(id);
       expect_bytes(ex, id, t.parent, size * bytes, nullptr);
     }
