@@ -46,6 +46,7 @@ namespace c10d_detail {
 struct Task;
 class CollWork;
 class DeferredWork;
+class DeviceStreams;
 class FutureWatcher;
 class P2PWork;
 }  // namespace c10d_detail
@@ -65,6 +66,9 @@ class ProcessGroupUCX : public c10d::Backend {
   std::chrono::milliseconds timeout() const { return timeout_; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   Communicator& communicator() { return *comm_; }
+  // Collective calls that ran with device operations (reductions and scratch on the tensors'
+  // device, through ATen): device tensors, and CPU tensors with COMMUX_ATEN_REDUCE=1.
+  std::uint64_t device_ops_calls() const { return device_ops_calls_.load(std::memory_order_relaxed); }
 
   // Sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper uses them): the number of
   // collectives this group has issued, equal on every rank that issued the same calls.
@@ -151,8 +155,11 @@ class ProcessGroupUCX : public c10d::Backend {
                                                     const std::vector<at::Tensor>& tensors,
                                                     int peer, int tag);
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  // The collectives' context for tensors like `like` (its memory type; on a device, the backend's
+  // DeviceOps for it). An undefined `like` means host memory.
   coll::Context context(const char* op_name, std::uint32_t tag,
-                        std::chrono::steady_clock::time_point deadline);
+                        std::chrono::steady_clock::time_point deadline, const at::Tensor& like);
+  void run(c10d_detail::Task& task);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   void worker_loop();
   void reap_locked();
@@ -173,6 +180,10 @@ class ProcessGroupUCX : public c10d::Backend {
   std::uint64_t collectives_issued_ = 0;
   // In-flight work the backend keeps alive (and its tensors) until it completes.
   std::list<c10::intrusive_ptr<c10d_detail::P2PWork>> inflight_;
+  // The worker thread's streams and DeviceOps per device (device tensors).
+  std::unique_ptr<c10d_detail::DeviceStreams> streams_;
+  bool aten_on_cpu_ = false;  // COMMUX_ATEN_REDUCE=1
+  std::atomic<std::uint64_t> device_ops_calls_{0};
   std::thread worker_;
   // Completes the futures of p2p Works (shared with the Works through weak_ptrs).
   std::shared_ptr<c10d_detail::FutureWatcher> watcher_;

@@ -81,7 +81,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("timeout") = commux::ProcessGroupUCX::kDefaultTimeout,
            py::arg("name") = "ucx", py::arg("group_name") = "",
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("timeout", &commux::ProcessGroupUCX::timeout);
+      .def_property_readonly("timeout", &commux::ProcessGroupUCX::timeout)
+      .def_property_readonly("device_ops_calls", &commux::ProcessGroupUCX::device_ops_calls,
+                             "collective calls that reduced and kept scratch on the tensors' "
+                             "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)");
 
   m.def("choose_transports", &choose_transports, py::arg("accelerator"), py::arg("available"),
         py::arg("user_tls") = py::none(),

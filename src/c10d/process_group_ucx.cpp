@@ -3,9 +3,11 @@
 #include "commux/process_group_ucx.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -13,6 +15,7 @@
 
 #include "commux/collectives.hpp"
 #include "commux/error.hpp"
+#include "device.hpp"
 #include "work.hpp"
 
 namespace commux {
@@ -21,7 +24,10 @@ using c10d_detail::Clock;
 using c10d_detail::CoalescedWork;
 using c10d_detail::CollWork;
 using c10d_detail::DeferredWork;
+using c10d_detail::memory_type_of;
+using c10d_detail::on_device;
 using c10d_detail::P2PWork;
+using c10d_detail::StreamFence;
 using c10d_detail::Task;
 
 namespace {
@@ -143,10 +149,7 @@ void check_tensor(const char* op, const at::Tensor& t, const char* what = "tenso
     invalid(op, std::string(what) + " must be contiguous (sizes " + c10::str(t.sizes()) +
                     ", strides " + c10::str(t.strides()) + "); call .contiguous() first");
   }
-  if (t.device().type() != c10::DeviceType::CPU) {
-    invalid(op, std::string(what) + " is on " + t.device().str() +
-                    ": this build of commux handles CPU tensors only");
-  }
+  memory_type_of(op, t, what);  // a device commux (or its UCX) cannot carry fails here
 }
 
 const at::Tensor& single(const char* op, const std::vector<at::Tensor>& ts) {
@@ -157,8 +160,18 @@ const at::Tensor& single(const char* op, const std::vector<at::Tensor>& ts) {
   return ts[0];
 }
 
+// A collective's tensors share one device (its algorithms move one memory type).
+void check_device(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what,
+                  const char* ref_name = "the input") {
+  if (t.device() != ref.device()) {
+    invalid(op, std::string(what) + " is on " + t.device().str() + " but " + ref_name + " is on " +
+                    ref.device().str() + "; a collective's tensors must share one device");
+  }
+}
+
 void check_same(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what) {
   check_tensor(op, t, what);
+  check_device(op, ref, t, what);
   if (t.scalar_type() != ref.scalar_type()) {
     invalid(op, std::string(what) + " has dtype " + c10::toString(t.scalar_type()) +
                     " but the input has " + c10::toString(ref.scalar_type()));
@@ -182,6 +195,7 @@ void check_blocks(const char* op, const at::Tensor& small, const std::string& sm
                   const at::Tensor& big, const std::string& big_name, int size) {
   check_tensor(op, small, small_name.c_str());
   check_tensor(op, big, big_name.c_str());
+  check_device(op, small, big, big_name.c_str(), ("the " + small_name).c_str());
   if (big.scalar_type() != small.scalar_type() || big.numel() != small.numel() * size) {
     invalid(op, big_name + " must have the " + small_name + "'s dtype and " + std::to_string(size) +
                     " times its elements (" + small_name + ": " + std::to_string(small.numel()) +
@@ -213,8 +227,21 @@ std::vector<at::Tensor> root_list(const char* op, const std::vector<std::vector<
 
 std::size_t nbytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
+// A contiguous tensor's memory as a flat uint8 tensor (same storage).
+at::Tensor byte_view(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), {static_cast<int64_t>(nbytes(t))},
+                       at::TensorOptions().dtype(at::kByte).device(t.device()));
+}
+
+// AVG and PREMUL_SUM scaling; a device tensor is scaled on the current stream (the backend's, on
+// the worker thread).
 void apply_scale(at::Tensor& t, double f) {
-  if (f != 1.0) scale(t.data_ptr(), t.numel(), to_dtype("scale", t.scalar_type()), f);
+  if (f == 1.0) return;
+  if (on_device(t)) {
+    t.mul_(f);
+  } else {
+    scale(t.data_ptr(), t.numel(), to_dtype("scale", t.scalar_type()), f);
+  }
 }
 
 int group_number(const std::string& name) {
@@ -245,6 +272,15 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }
+  // Device tensors are checked against what this UCX can carry before anything is posted.
+  c10d_detail::set_ucx_memory_types(comm_->runtime_info().memory_types,
+                                    comm_->runtime_info().ucx_version);
+  streams_ = std::make_unique<c10d_detail::DeviceStreams>();
+  // COMMUX_ATEN_REDUCE=1: CPU collectives also work through the ATen DeviceOps (scratch, local
+  // copies and reductions by ATen's CPU kernels) -- the device path's code, checkable without a
+  // GPU, and ATen's multi-threaded kernels for large reductions on many-core hosts.
+  const char* aten = std::getenv("COMMUX_ATEN_REDUCE");
+  aten_on_cpu_ = aten != nullptr && std::string(aten) == "1";
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
   worker_ = std::thread([this] { worker_loop(); });
 }
@@ -309,7 +345,7 @@ void ProcessGroupUCX::worker_loop() {
     }
     std::exception_ptr err;
     try {
-      t->body(t->tag, t->deadline);
+      run(*t);
     } catch (...) {
       err = std::current_exception();
     }
@@ -317,6 +353,23 @@ void ProcessGroupUCX::worker_loop() {
     t->keep_alive.clear();
     t->finish(err);
   }
+}
+
+// Runs a task's body on the worker thread. A device collective first waits for the issuing
+// stream's work on its tensors (the fence), runs with the backend's stream of that device current
+// (so the body's ATen work and the collective's reductions go there), and synchronizes that stream
+// before the task completes, so the results are visible to every stream after wait().
+void ProcessGroupUCX::run(Task& t) {
+  if (t.device.is_cpu()) {
+    t.body(t.tag, t.deadline);
+    return;
+  }
+  t.fence.wait();
+  streams_->record(t.keep_alive);
+  streams_->record(t.outputs);
+  c10::StreamGuard g(streams_->stream(t.device));
+  t.body(t.tag, t.deadline);
+  streams_->sync(t.device);
 }
 
 std::chrono::milliseconds ProcessGroupUCX::effective(std::chrono::milliseconds op_timeout) const {
@@ -337,6 +390,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::enqueue(c10d::OpType type, const
   t->outputs = std::move(outputs);
   t->body = std::move(body);
   t->future = c10d_detail::make_tensor_list_future();
+  // A collective's tensors share one device (validated); on a device, fence the issuing stream.
+  for (const auto* list : {&t->outputs, &t->keep_alive}) {
+    for (const auto& x : *list) {
+      if (on_device(x)) t->device = x.device();
+    }
+  }
+  if (!t->device.is_cpu()) {
+    std::vector<at::Tensor> all = t->outputs;
+    all.insert(all.end(), t->keep_alive.begin(), t->keep_alive.end());
+    t->fence = StreamFence(all);
+  }
   // Only a short collective's waiter polls for the result; a long one would take CPU from the
   // worker and the peers for nothing.
   std::size_t bytes = 0;
@@ -369,13 +433,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::track(c10::intrusive_ptr<c10d::W
 }
 
 coll::Context ProcessGroupUCX::context(const char* op_name, std::uint32_t tag,
-                                       Clock::time_point deadline) {
+                                       Clock::time_point deadline, const at::Tensor& like) {
   coll::Context c;
   c.comm = comm_.get();
   c.tag = tag;
   c.deadline = deadline;
-  c.mem = MemoryType::kHost;
   c.op_name = op_name;
+  c.mem = MemoryType::kHost;
+  if (on_device(like)) {
+    // Reductions, scratch and local copies stay on the device, on the backend's stream.
+    c.mem = memory_type_of(op_name, like, "tensor");
+    c.device = streams_->ops(like.device());
+  } else if (aten_on_cpu_ && like.defined()) {
+    c.device = streams_->ops(like.device());
+  }
+  if (c.device != nullptr) device_ops_calls_.fetch_add(1, std::memory_order_relaxed);
   return c;
 }
 
@@ -426,9 +498,15 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
     many.resize(tensors.size());
     b = many.data();
   }
+  bool device = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    b[i] = Buffer{tensors[i].data_ptr(), nbytes(tensors[i]), MemoryType::kHost};
+    b[i] = Buffer{tensors[i].data_ptr(), nbytes(tensors[i]),
+                  memory_type_of(type == c10d::OpType::SEND ? "send" : "recv", tensors[i], "tensor")};
+    device = device || b[i].mem != MemoryType::kHost;
   }
+  // UCX reads (or overwrites) the tensors from now on: the work queued on their streams before
+  // this call must be complete. This waits on an event, not on the whole device.
+  if (device) StreamFence(tensors).wait();
   Request r;
   try {
     r = type == c10d::OpType::SEND
@@ -509,7 +587,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptions& opts) {
   return enqueue(c10d::OpType::BARRIER, "barrier", opts.timeout, {}, {},
                  [this](std::uint32_t tag, Clock::time_point dl) {
-                   coll::barrier(context("barrier", tag, dl));
+                   coll::barrier(context("barrier", tag, dl, at::Tensor()));
                  });
 }
 
@@ -520,7 +598,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor
   const int root = static_cast<int>(opts.rootRank);
   return enqueue(c10d::OpType::BROADCAST, "broadcast", opts.timeout, {}, tensors,
                  [this, t, root](std::uint32_t tag, Clock::time_point dl) {
-                   coll::broadcast(context("broadcast", tag, dl), t.data_ptr(), nbytes(t), root);
+                   coll::broadcast(context("broadcast", tag, dl, t), t.data_ptr(), nbytes(t), root);
                  });
 }
 
@@ -533,7 +611,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor
   return enqueue(c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, {}, tensors,
                  [this, t, r, dt, size](std::uint32_t tag, Clock::time_point dl) mutable {
                    apply_scale(t, r.pre_scale);
-                   coll::allreduce(context("allreduce", tag, dl), t.data_ptr(), t.numel(), dt, r.op);
+                   coll::allreduce(context("allreduce", tag, dl, t), t.data_ptr(), t.numel(), dt, r.op);
                    if (r.average) apply_scale(t, 1.0 / size);
                  });
 }
@@ -544,6 +622,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
   if (tensors.empty()) invalid(op, "needs at least one tensor");
   for (auto& t : tensors) {
     check_tensor(op, t);
+    check_device(op, tensors[0], t, "a tensor", "the first");
     if (t.scalar_type() != tensors[0].scalar_type()) invalid(op, "all tensors must have one dtype");
   }
   to_reduction(op, opts.reduceOp, tensors[0].scalar_type());  // validate now, on every rank
@@ -556,7 +635,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
                    for (auto& t : ts) flat_parts.push_back(t.reshape({-1}));
                    at::Tensor flat = at::cat(flat_parts);
                    apply_scale(flat, red.pre_scale);
-                   coll::allreduce(context(op, tag, dl), flat.data_ptr(), flat.numel(),
+                   coll::allreduce(context(op, tag, dl, flat), flat.data_ptr(), flat.numel(),
                                    to_dtype(op, flat.scalar_type()), red.op);
                    if (red.average) apply_scale(flat, 1.0 / size);
                    int64_t off = 0;
@@ -581,7 +660,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& 
                    // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
                    at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
                    apply_scale(buf, r.pre_scale);
-                   coll::reduce(context("reduce", tag, dl), buf.data_ptr(), buf.numel(), dt, r.op,
+                   coll::reduce(context("reduce", tag, dl, buf), buf.data_ptr(), buf.numel(), dt, r.op,
                                 root);
                    if (is_root && r.average) apply_scale(buf, 1.0 / size);
                  });
@@ -603,7 +682,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
                  [this, in, outs, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat = at::empty({static_cast<int64_t>(outs.size()) * in.numel()},
                                                in.options());
-                   coll::allgather(context(op, tag, dl), in.data_ptr(), nbytes(in), flat.data_ptr());
+                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in), flat.data_ptr());
                    for (std::size_t i = 0; i < outs.size(); ++i) {
                      outs[i].view({-1}).copy_(flat.narrow(0, i * in.numel(), in.numel()));
                    }
@@ -617,7 +696,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& outp
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, op, opts.timeout, {in}, {out},
                  [this, in, out, op](std::uint32_t tag, Clock::time_point dl) {
-                   coll::allgather(context(op, tag, dl), in.data_ptr(), nbytes(in), out.data_ptr());
+                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in), out.data_ptr());
                  });
 }
 
@@ -633,7 +712,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
     if (list.size() != inputs.size()) invalid(op, "each output list needs one tensor per input");
     for (std::size_t i = 0; i < inputs.size(); ++i) check_same(op, inputs[i], list[i], "output tensor");
   }
-  for (auto& in : inputs) check_tensor(op, in, "input");
+  for (auto& in : inputs) {
+    check_tensor(op, in, "input");
+    check_device(op, inputs[0], in, "an input", "the first");
+  }
   std::vector<at::Tensor> outs;
   for (auto& list : outputs) outs.insert(outs.end(), list.begin(), list.end());
   auto ins = inputs;
@@ -644,7 +726,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
                      const at::Tensor& in = ins[i];
                      at::Tensor flat = at::empty({static_cast<int64_t>(outlists.size()) * in.numel()},
                                                  in.options());
-                     coll::allgather(context(op, tag + i, dl), in.data_ptr(), nbytes(in),
+                     coll::allgather(context(op, tag + i, dl, in), in.data_ptr(), nbytes(in),
                                      flat.data_ptr());
                      for (std::size_t r = 0; r < outlists.size(); ++r) {
                        outlists[r][i].view({-1}).copy_(flat.narrow(0, r * in.numel(), in.numel()));
@@ -662,13 +744,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const std::string n = " " + std::to_string(i);
     check_blocks(op, inputs[i], "input" + n, outputs[i], "output" + n, getSize());
+    check_device(op, inputs[0], inputs[i], ("input" + n).c_str(), "input 0");
   }
   auto ins = inputs;
   auto outs = outputs;
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
                  [this, ins, outs, op](std::uint32_t tag, Clock::time_point dl) {
                    for (std::size_t i = 0; i < ins.size(); ++i) {
-                     coll::allgather(context(op, tag + i, dl), ins[i].data_ptr(), nbytes(ins[i]),
+                     coll::allgather(context(op, tag + i, dl, ins[i]), ins[i].data_ptr(), nbytes(ins[i]),
                                      outs[i].data_ptr());
                    }
                  },
@@ -690,7 +773,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<a
                    if (!outs.empty()) {
                      flat = at::empty({static_cast<int64_t>(outs.size()) * in.numel()}, in.options());
                    }
-                   coll::gather(context(op, tag, dl), in.data_ptr(), nbytes(in),
+                   coll::gather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
                                 flat.defined() ? flat.data_ptr() : nullptr, root);
                    for (std::size_t i = 0; i < outs.size(); ++i) {
                      outs[i].view({-1}).copy_(flat.narrow(0, i * in.numel(), in.numel()));
@@ -715,7 +798,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(std::vector<at::Tensor>&
                      for (auto& i : ins) parts.push_back(i.reshape({-1}));
                      flat = at::cat(parts);
                    }
-                   coll::scatter(context(op, tag, dl), flat.defined() ? flat.data_ptr() : nullptr,
+                   coll::scatter(context(op, tag, dl, out), flat.defined() ? flat.data_ptr() : nullptr,
                                  out.data_ptr(), nbytes(out), root);
                  });
 }
@@ -748,7 +831,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
                  [this, ins, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
                    std::vector<at::Tensor> parts;
                    for (auto& i : ins) parts.push_back(i.reshape({-1}));
-                   run_reduce_scatter(context(op, tag, dl), at::cat(parts), out, r, size);
+                   run_reduce_scatter(context(op, tag, dl, out), at::cat(parts), out, r, size);
                  });
 }
 
@@ -762,7 +845,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, op, opts.timeout, {in}, {out},
                  [this, in, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
                    // The input is not modified: PREMUL_SUM scales a copy.
-                   run_reduce_scatter(context(op, tag, dl), r.pre_scale != 1.0 ? in.clone() : in,
+                   run_reduce_scatter(context(op, tag, dl, out), r.pre_scale != 1.0 ? in.clone() : in,
                                       out, r, size);
                  });
 }
@@ -776,6 +859,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const std::string n = " " + std::to_string(i);
     check_blocks(op, outputs[i], "output" + n, inputs[i], "input" + n, getSize());
+    check_device(op, inputs[0], inputs[i], ("input" + n).c_str(), "input 0");
     rs.push_back(to_reduction(op, opts.reduceOp, outputs[i].scalar_type()));
   }
   auto ins = inputs;
@@ -784,7 +868,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
   return enqueue(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, op, opts.timeout, ins, outs,
                  [this, ins, outs, rs, size, op](std::uint32_t tag, Clock::time_point dl) {
                    for (std::size_t i = 0; i < ins.size(); ++i) {
-                     run_reduce_scatter(context(op, tag + i, dl),
+                     run_reduce_scatter(context(op, tag + i, dl, outs[i]),
                                         rs[i].pre_scale != 1.0 ? ins[i].clone() : ins[i], outs[i],
                                         rs[i], size);
                    }
@@ -840,6 +924,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output
   const char* op = "alltoall_base";
   check_tensor(op, input, "input");
   check_tensor(op, output, "output");
+  check_device(op, input, output, "the output");
   if (input.scalar_type() != output.scalar_type()) invalid(op, "input and output dtypes differ");
   std::vector<std::size_t> sc, sd, rc, rd;
   split_bytes(op, "input", input, inputSplitSizes, getSize(), sc, sd);
@@ -847,7 +932,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::ALLTOALL_BASE, op, opts.timeout, {in}, {out},
                  [this, in, out, sc, sd, rc, rd, op](std::uint32_t tag, Clock::time_point dl) {
-                   coll::alltoallv(context(op, tag, dl), in.data_ptr(), sc.data(), sd.data(),
+                   coll::alltoallv(context(op, tag, dl, in), in.data_ptr(), sc.data(), sd.data(),
                                    out.data_ptr(), rc.data(), rd.data());
                  });
 }
@@ -866,6 +951,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>
   for (std::size_t i = 0; i < n; ++i) {
     check_tensor(op, inputs[i], "input");
     check_tensor(op, outputs[i], "output");
+    check_device(op, inputs[0], inputs[i], "an input", "input 0");
+    check_device(op, inputs[0], outputs[i], "an output", "input 0");
     if (inputs[i].scalar_type() != inputs[0].scalar_type() ||
         outputs[i].scalar_type() != inputs[0].scalar_type()) {
       invalid(op, "all tensors must have one dtype");
@@ -882,14 +969,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>
   return enqueue(c10d::OpType::ALLTOALL, op, opts.timeout, ins, outs,
                  [this, ins, outs, sc, sd, rc, rd, so, ro, op](std::uint32_t tag,
                                                                Clock::time_point dl) {
-                   std::vector<char> sbuf(so), rbuf(ro);
+                   // Packed into one send and one receive buffer (bytes), on the tensors' device.
+                   const auto bytes = at::TensorOptions().dtype(at::kByte).device(ins[0].device());
+                   at::Tensor sbuf = at::empty({static_cast<int64_t>(so)}, bytes);
+                   at::Tensor rbuf = at::empty({static_cast<int64_t>(ro)}, bytes);
                    for (std::size_t i = 0; i < ins.size(); ++i) {
-                     if (sc[i] != 0) std::memcpy(sbuf.data() + sd[i], ins[i].data_ptr(), sc[i]);
+                     if (sc[i] == 0) continue;
+                     sbuf.narrow(0, static_cast<int64_t>(sd[i]), static_cast<int64_t>(sc[i]))
+                         .copy_(byte_view(ins[i]));
                    }
-                   coll::alltoallv(context(op, tag, dl), sbuf.data(), sc.data(), sd.data(),
-                                   rbuf.data(), rc.data(), rd.data());
+                   coll::alltoallv(context(op, tag, dl, sbuf), sbuf.data_ptr(), sc.data(), sd.data(),
+                                   rbuf.data_ptr(), rc.data(), rd.data());
                    for (std::size_t i = 0; i < outs.size(); ++i) {
-                     if (rc[i] != 0) std::memcpy(outs[i].data_ptr(), rbuf.data() + rd[i], rc[i]);
+                     if (rc[i] == 0) continue;
+                     byte_view(outs[i]).copy_(
+                         rbuf.narrow(0, static_cast<int64_t>(rd[i]), static_cast<int64_t>(rc[i])));
                    }
                  });
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "commux/communicator.hpp"
+#include "device.hpp"
 
 namespace commux {
 class ProcessGroupUCX;
@@ -48,6 +49,9 @@ struct Task {
   std::vector<at::Tensor> outputs;     // what result() and the future report
   std::function<void(std::uint32_t, Clock::time_point)> body;
   c10::intrusive_ptr<c10::ivalue::Future> future;
+  // Device collectives: the tensors' device and the fence on the issuing stream (CPU: empty).
+  c10::Device device{c10::kCPU};
+  StreamFence fence;
 
   std::mutex mu;
   std::condition_variable cv;

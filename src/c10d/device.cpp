@@ -1,0 +1,241 @@
+#include "device.hpp"
+
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+
+#ifndef COMMUX_DEVICE_TENSORS
+#define COMMUX_DEVICE_TENSORS 1
+#endif
+
+namespace commux::c10d_detail {
+
+namespace {
+
+[[noreturn]] void invalid(const char* op, const std::string& what) {
+  C10_THROW_ERROR(ValueError, std::string("commux ") + op + ": " + what);
+}
+
+struct UcxMemoryTypes {
+  std::mutex mu;
+  bool known = false;
+  std::vector<std::string> types;
+  std::string version;
+};
+
+UcxMemoryTypes& ucx_memory_types() {
+  static UcxMemoryTypes m;
+  return m;
+}
+
+at::ScalarType scalar_type(DataType t) {
+  switch (t) {
+    case DataType::kFloat32: return at::kFloat;
+    case DataType::kFloat64: return at::kDouble;
+    case DataType::kFloat16: return at::kHalf;
+    case DataType::kBFloat16: return at::kBFloat16;
+    case DataType::kInt8: return at::kChar;
+    case DataType::kInt16: return at::kShort;
+    case DataType::kInt32: return at::kInt;
+    case DataType::kInt64: return at::kLong;
+    case DataType::kUInt8: return at::kByte;
+    case DataType::kBool: return at::kBool;
+    case DataType::kComplex64: return at::kComplexFloat;
+    case DataType::kComplex128: return at::kComplexDouble;
+  }
+  return at::kByte;
+}
+
+// What a user needs to carry tensors of this kind, for the error message.
+const char* how_to_get(MemoryType m) {
+  switch (m) {
+    case MemoryType::kCuda:
+      return "install a UCX with the CUDA transports (pip install 'libucx-cu13>=1.22,<1.23', which "
+             "commux's pip install uses by default, or a UCX configured --with-cuda) and build "
+             "commux against it; if UCX_TLS is set, it must allow cuda_copy";
+    case MemoryType::kRocm:
+      return "use a UCX configured --with-rocm and build commux against it "
+             "(-DCOMMUX_UCX_PROVIDER=system); if UCX_TLS is set, it must allow rocm_copy";
+    case MemoryType::kZe:
+      return "use a UCX (1.15 or newer) configured --with-ze and build commux against it "
+             "(-DCOMMUX_UCX_PROVIDER=system); if UCX_TLS is set, it must allow ze_copy";
+    default:
+      return "use a UCX built for this accelerator";
+  }
+}
+
+// The name UCX gives the memory type (ucs_memory_type_names), as RuntimeInfo lists them.
+const char* ucx_name(MemoryType m) {
+  switch (m) {
+    case MemoryType::kCuda: return "cuda";
+    case MemoryType::kRocm: return "rocm";
+    case MemoryType::kZe: return "ze-device";
+    default: return "host";
+  }
+}
+
+// coll::DeviceOps with ATen on the backend's stream of one device. Every call synchronizes that
+// stream before it returns (the collectives hand the result to UCX next).
+class AtenDeviceOps final : public coll::DeviceOps {
+ public:
+  AtenDeviceOps(c10::Device device, c10::Stream stream) : device_(device), stream_(stream) {}
+
+  void synchronize() override { stream_.synchronize(); }
+
+  void* allocate(std::size_t bytes) override {
+    c10::StreamGuard g(stream_);  // the caching allocator ties the block to our stream
+    at::Tensor t = at::empty({static_cast<int64_t>(std::max<std::size_t>(bytes, 1))},
+                             at::TensorOptions().dtype(at::kByte).device(device_));
+    void* p = t.data_ptr();
+    live_.emplace(p, std::move(t));
+    return p;
+  }
+
+  void release(void* p) noexcept override { live_.erase(p); }
+
+  void reduce(void* out, const void* a, const void* b, std::size_t count, DataType t,
+              ReduceOp op) override {
+    c10::StreamGuard g(stream_);
+    at::Tensor o = view(out, count, t), x = view(a, count, t), y = view(b, count, t);
+    const bool logical = t == DataType::kBool;
+    switch (op) {
+      case ReduceOp::kSum: logical ? at::logical_or_out(o, x, y) : at::add_out(o, x, y); break;
+      case ReduceOp::kProduct: logical ? at::logical_and_out(o, x, y) : at::mul_out(o, x, y); break;
+      case ReduceOp::kMin: logical ? at::logical_and_out(o, x, y) : at::minimum_out(o, x, y); break;
+      case ReduceOp::kMax: logical ? at::logical_or_out(o, x, y) : at::maximum_out(o, x, y); break;
+      case ReduceOp::kBand: at::bitwise_and_out(o, x, y); break;
+      case ReduceOp::kBor: at::bitwise_or_out(o, x, y); break;
+      case ReduceOp::kBxor: at::bitwise_xor_out(o, x, y); break;
+    }
+    stream_.synchronize();
+  }
+
+  void copy(void* dst, MemoryType dst_mem, const void* src, MemoryType src_mem,
+            std::size_t bytes) override {
+    c10::StreamGuard g(stream_);
+    at::Tensor d = bytes_view(dst, bytes, dst_mem), s = bytes_view(src, bytes, src_mem);
+    d.copy_(s);
+    stream_.synchronize();
+  }
+
+ private:
+  at::Tensor view(const void* p, std::size_t count, DataType t) const {
+    return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(count)},
+                         at::TensorOptions().dtype(scalar_type(t)).device(device_));
+  }
+  at::Tensor bytes_view(const void* p, std::size_t bytes, MemoryType m) const {
+    const c10::Device where = m == MemoryType::kHost ? c10::Device(c10::kCPU) : device_;
+    return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(bytes)},
+                         at::TensorOptions().dtype(at::kByte).device(where));
+  }
+
+  c10::Device device_;
+  c10::Stream stream_;
+  std::map<void*, at::Tensor> live_;  // scratch handed out, by address
+};
+
+}  // namespace
+
+bool device_tensors_enabled() noexcept { return COMMUX_DEVICE_TENSORS != 0; }
+
+void set_ucx_memory_types(const std::vector<std::string>& types, const std::string& ucx_version) {
+  auto& m = ucx_memory_types();
+  std::lock_guard<std::mutex> lk(m.mu);
+  if (m.known) return;
+  m.known = true;
+  m.types = types;
+  m.version = ucx_version;
+}
+
+MemoryType memory_type_of(const char* op, const at::Tensor& t, const char* what) {
+  const c10::Device dev = t.device();
+  if (dev.is_cpu()) return MemoryType::kHost;
+  MemoryType m;
+  switch (dev.type()) {
+    case c10::DeviceType::CUDA:
+      // ROCm builds of torch call their GPUs "cuda" too; UCX must be told ROCm memory.
+      m = at::detail::getCUDAHooks().hasROCM() ? MemoryType::kRocm : MemoryType::kCuda;
+      break;
+    case c10::DeviceType::XPU: m = MemoryType::kZe; break;
+    default:
+      invalid(op, std::string(what) + " is on " + dev.str() +
+                      ": commux carries CPU, CUDA, ROCm and Intel XPU tensors only");
+  }
+  if (!device_tensors_enabled()) {
+    invalid(op, std::string(what) + " is on " + dev.str() +
+                    ", but this commux was built with COMMUX_CUDA=OFF (CPU tensors only); "
+                    "rebuild it with -DCOMMUX_CUDA=ON to carry device tensors");
+  }
+  auto& known = ucx_memory_types();
+  std::lock_guard<std::mutex> lk(known.mu);
+  if (known.known &&
+      std::find(known.types.begin(), known.types.end(), ucx_name(m)) == known.types.end()) {
+    std::string have;
+    for (const auto& s : known.types) have += (have.empty() ? "" : ", ") + s;
+    invalid(op, std::string(what) + " is on " + dev.str() + ", but the UCX in use (" +
+                    known.version + ") cannot carry " + memory_type_name(m) +
+                    " memory (the memory types it supports: " + have + "): " + how_to_get(m));
+  }
+  return m;
+}
+
+StreamFence::StreamFence(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> seen;
+  for (const auto& t : tensors) {
+    if (!on_device(t)) continue;
+    const c10::Device d = t.device();
+    if (std::find(seen.begin(), seen.end(), d) != seen.end()) continue;
+    seen.push_back(d);
+    const c10::impl::VirtualGuardImpl impl(d.type());
+    c10::Event ev(d.type());
+    ev.record(impl.getStream(d));
+    events_.push_back(std::move(ev));
+  }
+}
+
+void StreamFence::wait() const {
+  for (const auto& ev : events_) ev.synchronize();
+}
+
+struct DeviceStreams::PerDevice {
+  c10::Stream stream;
+  AtenDeviceOps ops;
+  PerDevice(c10::Device d, c10::Stream s) : stream(s), ops(d, s) {}
+};
+
+DeviceStreams::DeviceStreams() = default;
+DeviceStreams::~DeviceStreams() = default;
+
+DeviceStreams::PerDevice& DeviceStreams::get(const c10::Device& device) {
+  const auto key = std::make_pair(static_cast<int>(device.type()), static_cast<int>(device.index()));
+  auto it = devices_.find(key);
+  if (it == devices_.end()) {
+    const c10::impl::VirtualGuardImpl impl(device.type());
+    // A pool stream of the device (CPU, for COMMUX_ATEN_REDUCE, has only its default stream).
+    const c10::Stream s = device.is_cpu()
+                              ? impl.getStream(device)
+                              : impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+    it = devices_.emplace(key, std::make_unique<PerDevice>(device, s)).first;
+  }
+  return *it->second;
+}
+
+coll::DeviceOps* DeviceStreams::ops(const c10::Device& device) { return &get(device).ops; }
+
+c10::Stream DeviceStreams::stream(const c10::Device& device) { return get(device).stream; }
+
+void DeviceStreams::sync(const c10::Device& device) { get(device).stream.synchronize(); }
+
+void DeviceStreams::record(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (!on_device(t) || !t.has_storage()) continue;
+    const c10::impl::VirtualGuardImpl impl(t.device().type());
+    impl.recordDataPtrOnStream(t.storage().data_ptr(), stream(t.device()));
+  }
+}
+
+}  // namespace commux::c10d_detail
