@@ -4,7 +4,7 @@
 # (benchmark peer), iproute2 (two-namespace test). Python venv .venv: the libucx-cu13 wheel (UCX
 # 1.22 with CUDA transports, the default provider), cmake, ninja, pytest, and torch (CPU build,
 # COMMUX_TORCH overrides the requirement) with what `pip install . --no-build-isolation` needs, and
-# matplotlib (the benchmark plots).
+# matplotlib (the benchmark plots). With the argument `cuda`, also .venv-cuda (see the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,3 +33,19 @@ if ! .venv/bin/python -c "import libucx, cmake, ninja, pytest, numpy, pybind11, 
     pytest numpy pybind11 "scikit-build-core>=0.10" matplotlib "${COMMUX_TORCH:-torch==2.13.0}"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import libucx, torch; print("libucx", libucx.__version__, "torch", torch.__version__)' 2>/dev/null))"
+
+# `scripts/setup.sh cuda`: also .venv-cuda, the same tools with a CUDA build of torch
+# (COMMUX_CUDA_TORCH, default torch==2.14.1, a CUDA 13 build, ~5.5 GB), so that CI builds and tests
+# the package against CUDA torch too (its GPU tests skip on a machine without a GPU).
+if [ "${1:-}" = cuda ]; then
+  if [ ! -x .venv-cuda/bin/python ]; then
+    echo "setup: creating .venv-cuda"
+    "$python" -m venv .venv-cuda
+  fi
+  if ! .venv-cuda/bin/python -c "import libucx, cmake, ninja, pytest, numpy, pybind11, scikit_build_core, torch; assert torch.version.cuda" 2>/dev/null; then
+    echo "setup: installing Python packages into .venv-cuda (CUDA build of torch)"
+    .venv-cuda/bin/pip install -q --disable-pip-version-check "libucx-cu13>=1.22,<1.23" cmake ninja \
+      pytest numpy pybind11 "scikit-build-core>=0.10" "${COMMUX_CUDA_TORCH:-torch==2.14.1}"
+  fi
+  echo "setup: .venv-cuda ok ($(.venv-cuda/bin/python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null))"
+fi
