@@ -26,6 +26,18 @@ def main() -> int:
     print(f"transports    {', '.join(info['transports']) or '(none)'}")
     print(f"memory types  {', '.join(info['memory_types']) or '(none)'}")
     print(f"backends      {', '.join(commux.BACKEND_NAMES)} (devices cpu, cuda)")
+    try:
+        from commux import _build_info
+
+        device = getattr(_build_info, "DEVICE_TENSORS", True)
+    except ImportError:  # an in-tree build without the generated module
+        device = True
+    if not device:
+        print("device tensors off (built with COMMUX_CUDA=OFF: CPU tensors only)")
+    else:
+        mt = [m for m in info["memory_types"] if m != "host"]
+        print(f"device tensors on; this UCX carries {', '.join(mt) + ' memory' if mt else 'host memory only'}"
+              f"{'' if mt else ' (a device tensor would be refused: see docs/torch-backend.md)'}")
     choice = commux.transport_choice()
     acc = choice["accelerator"]
     if acc == "none":

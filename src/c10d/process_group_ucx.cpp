@@ -742,9 +742,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
   const char* op = "allgather_into_tensor_coalesced";
   if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    const std::string n = " " + std::to_string(i);
-    check_blocks(op, inputs[i], "input" + n, outputs[i], "output" + n, getSize());
-    check_device(op, inputs[0], inputs[i], ("input" + n).c_str(), "input 0");
+    // (appended, not "input " + to_string(i): GCC 12's -O3 gives a false -Wrestrict on that)
+    std::string in_name = "input ", out_name = "output ";
+    in_name += std::to_string(i);
+    out_name += std::to_string(i);
+    check_blocks(op, inputs[i], in_name, outputs[i], out_name, getSize());
+    check_device(op, inputs[0], inputs[i], in_name.c_str(), "input 0");
   }
   auto ins = inputs;
   auto outs = outputs;
@@ -857,9 +860,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
   if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
   std::vector<Reduction> rs;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    const std::string n = " " + std::to_string(i);
-    check_blocks(op, outputs[i], "output" + n, inputs[i], "input" + n, getSize());
-    check_device(op, inputs[0], inputs[i], ("input" + n).c_str(), "input 0");
+    std::string in_name = "input ", out_name = "output ";
+    in_name += std::to_string(i);
+    out_name += std::to_string(i);
+    check_blocks(op, outputs[i], out_name, inputs[i], in_name, getSize());
+    check_device(op, inputs[0], inputs[i], in_name.c_str(), "input 0");
     rs.push_back(to_reduction(op, opts.reduceOp, outputs[i].scalar_type()));
   }
   auto ins = inputs;
