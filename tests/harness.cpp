@@ -44,25 +44,6 @@ std::string describe_status(int status) {
 
 }  // namespace
 
-void check_failed(const char* file, int line, const std::string& what) {
-  throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what);
-}
-
-std::string expect_error(Errc code, const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (e.code() != code) {
-      check_failed(__FILE__, __LINE__,
-                   std::string("expected error '") + errc_name(code) + "' but got '" +
-                       errc_name(e.code()) + "': " + e.what());
-    }
-    return e.what();
-  }
-  check_failed(__FILE__, __LINE__, std::string("expected error '") + errc_name(code) +
-                                       "' but nothing was thrown");
-}
-
 void run_procs(int size, const std::function<void(int, int, const std::string&)>& body,
                RunOptions opts) {
   const std::string dir = make_store_dir();

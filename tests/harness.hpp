@@ -43,6 +43,7 @@ void run_procs(int size, const std::function<void(int, int, const std::string&)>
                RunOptions opts = {});
 
 // Checks that throw, for use inside children (GoogleTest assertions do not cross fork()).
+// check_failed and expect_error are defined in checks.cpp, which builds without GoogleTest.
 [[noreturn]] void check_failed(const char* file, int line, const std::string& what);
 
 #define CX_CHECK(cond)                                                          \
