@@ -191,8 +191,12 @@ StreamFence::StreamFence(const std::vector<at::Tensor>& tensors) {
     if (std::find(seen.begin(), seen.end(), d) != seen.end()) continue;
     seen.push_back(d);
     const c10::impl::VirtualGuardImpl impl(d.type());
+    const c10::Stream current = impl.getStream(d);
+    // An idle stream has nothing the operation could overtake: no event needed (the common case
+    // of a tensor produced a while ago costs one stream query instead of an event round trip).
+    if (current.query()) continue;
     c10::Event ev(d.type());
-    ev.record(impl.getStream(d));
+    ev.record(current);
     events_.push_back(std::move(ev));
   }
 }

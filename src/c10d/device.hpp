@@ -53,7 +53,8 @@ inline bool on_device(const at::Tensor& t) { return t.defined() && !t.device().i
 class StreamFence {
  public:
   StreamFence() = default;
-  // Records now, on the calling thread's current stream of each device among `tensors`.
+  // Records now, on the calling thread's current stream of each device among `tensors` (none for
+  // a stream that is already idle).
   explicit StreamFence(const std::vector<at::Tensor>& tensors);
   bool empty() const { return events_.empty(); }
   // Blocks the calling thread until every stream has reached its event.
