@@ -142,8 +142,8 @@ def _recv_after_queued_write(ctx, count):
         out.fill_(-1.0)
         w = dist.irecv(out, src=0, tag=10)
         w.wait()
-        total = out.sum()  # on the current stream, right after wait()
-        assert total.item() == 5.0 * count, f"sum {total.item()}: the queued fill overwrote the data"
+        ok = (out == 5.0).all()  # on the current stream, right after wait()
+        assert bool(ok.item()), f"got {out[:4].tolist()}...: the queued fill overwrote the data"
     return True
 
 
@@ -302,8 +302,10 @@ def test_every_collective_on_cuda(ranks, count):
 
 
 def _mixed_devices_refused(ctx):
+    """Called on the backend itself: torch's own checks in front of it vary between releases."""
     d = dev(ctx)
-    e = expect_raises(lambda: dist.all_gather_into_tensor(torch.zeros(2 * ctx.world), torch.ones(2, device=d)))
+    be = dist.distributed_c10d._get_default_group()._get_backend(d)
+    e = expect_raises(lambda: be._allgather_base(torch.zeros(2 * ctx.world), torch.ones(2, device=d)))
     assert e["type"] == "ValueError" and mentions(e["msg"], "_allgather_base", "cuda", "cpu"), e
     return True
 

@@ -233,14 +233,25 @@ at::Tensor byte_view(const at::Tensor& t) {
                        at::TensorOptions().dtype(at::kByte).device(t.device()));
 }
 
-// AVG and PREMUL_SUM scaling; a device tensor is scaled on the current stream (the backend's, on
-// the worker thread).
+// PREMUL_SUM scaling; a device tensor is scaled on the current stream (the backend's, on the
+// worker thread).
 void apply_scale(at::Tensor& t, double f) {
   if (f == 1.0) return;
   if (on_device(t)) {
     t.mul_(f);
   } else {
     scale(t.data_ptr(), t.numel(), to_dtype("scale", t.scalar_type()), f);
+  }
+}
+
+// AVG: the sum divided by the group size. On a device by a division (correctly rounded in the
+// tensor's dtype, as torch's mean), on the host by the kernels' scale(1/size) in double.
+void apply_average(at::Tensor& t, int size) {
+  if (size == 1) return;
+  if (on_device(t)) {
+    t.div_(size);
+  } else {
+    scale(t.data_ptr(), t.numel(), to_dtype("scale", t.scalar_type()), 1.0 / size);
   }
 }
 
@@ -612,7 +623,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor
                  [this, t, r, dt, size](std::uint32_t tag, Clock::time_point dl) mutable {
                    apply_scale(t, r.pre_scale);
                    coll::allreduce(context("allreduce", tag, dl, t), t.data_ptr(), t.numel(), dt, r.op);
-                   if (r.average) apply_scale(t, 1.0 / size);
+                   if (r.average) apply_average(t, size);
                  });
 }
 
@@ -637,7 +648,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
                    apply_scale(flat, red.pre_scale);
                    coll::allreduce(context(op, tag, dl, flat), flat.data_ptr(), flat.numel(),
                                    to_dtype(op, flat.scalar_type()), red.op);
-                   if (red.average) apply_scale(flat, 1.0 / size);
+                   if (red.average) apply_average(flat, size);
                    int64_t off = 0;
                    for (auto& t : ts) {
                      t.view({-1}).copy_(flat.narrow(0, off, t.numel()));
@@ -662,7 +673,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& 
                    apply_scale(buf, r.pre_scale);
                    coll::reduce(context("reduce", tag, dl, buf), buf.data_ptr(), buf.numel(), dt, r.op,
                                 root);
-                   if (is_root && r.average) apply_scale(buf, 1.0 / size);
+                   if (is_root && r.average) apply_average(buf, size);
                  });
 }
 
@@ -814,7 +825,7 @@ void run_reduce_scatter(const coll::Context& ctx, at::Tensor in, at::Tensor out,
   std::vector<std::size_t> counts(size, static_cast<std::size_t>(out.numel()));
   coll::reduce_scatter(ctx, in.data_ptr(), out.data_ptr(), counts.data(),
                        to_dtype(ctx.op_name, in.scalar_type()), r.op);
-  if (r.average) apply_scale(out, 1.0 / size);
+  if (r.average) apply_average(out, size);
 }
 }  // namespace
 
