@@ -4,7 +4,7 @@
 #
 # Without an argument it first configures and builds a minimal tree, build-gpu in the repository
 # root (only the test_commux target; UCX from the libucx wheel of $PYTHON; GoogleTest not needed):
-#   PYTHON=/tmp/cx/bin/python bash tests/run_driver_cuda.sh
+#   PYTHON=python3 bash tests/run_driver_cuda.sh   (scripts/gpu_check.sh passes its Python)
 # With a build directory it runs that tree's tests/test_commux without building; with the
 # test_commux binary itself (what ctest's driver.cuda_2_ranks passes) it runs that.
 #
