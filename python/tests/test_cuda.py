@@ -301,6 +301,26 @@ def test_every_collective_on_cuda(ranks, count):
     assert all(ranks.run(_every_collective, count))
 
 
+def _ranks_on_different_devices(ctx, count):
+    """Rank 0 holds its tensors on the GPU, the others on the CPU: each rank's algorithm sends the
+    same messages whatever its memory, so the collectives still match."""
+    d = dev(ctx, "cuda" if ctx.rank == 0 else "cpu")
+    t = value(ctx.rank, count).to(d)
+    dist.all_reduce(t)
+    assert torch.equal(t.cpu(), expected("SUM", [value(r, count) for r in range(ctx.world)])), "all_reduce"
+    out = torch.full((ctx.world * count,), -1.0, device=d)
+    dist.all_gather_into_tensor(out, value(ctx.rank, count, salt=2).to(d))
+    assert torch.equal(out.cpu(), torch.cat([value(r, count, salt=2) for r in range(ctx.world)])), "all_gather"
+    return True
+
+
+@needs_cuda
+@worlds(2, 3)
+@pytest.mark.parametrize("count", [1001, 1 << 20])
+def test_collectives_across_ranks_on_different_devices(ranks, count):
+    assert all(ranks.run(_ranks_on_different_devices, count))
+
+
 def _mixed_devices_refused(ctx):
     """Called on the backend itself: torch's own checks in front of it vary between releases."""
     d = dev(ctx)
@@ -314,6 +334,46 @@ def _mixed_devices_refused(ctx):
 @worlds(2)
 def test_collective_tensors_on_different_devices_are_refused(ranks):
     assert all(ranks.run(_mixed_devices_refused))
+
+
+def _ddp_on_cuda(ctx, hook):
+    """DDP on CUDA modules over "ucx", against the same training over gloo (which moves CUDA
+    tensors through the host): the same GPU math, so with 2 ranks the parameters must be bitwise
+    equal. DDP broadcasts rank 0's parameters (each rank starts differently) and allreduces its
+    buckets through the Works' futures (the comm hook chains on them)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    d = dev(ctx)
+
+    def train(group):
+        torch.manual_seed(1000 + ctx.rank)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).double().to(d)
+        ddp = DDP(model, device_ids=[d.index], process_group=group, bucket_cap_mb=0.0005)
+        if hook == "allreduce":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(state=group, hook=default_hooks.allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(7 + ctx.rank)
+        for _ in range(5):
+            x = torch.randn(12, 8, generator=g, dtype=torch.float64).to(d)
+            y = torch.randn(12, 4, generator=g, dtype=torch.float64).to(d)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    mine, ref = train(None), train(ctx.ref)
+    for i, (a, b) in enumerate(zip(mine, ref)):
+        assert torch.equal(a, b), f"parameter {i}: max abs diff {(a - b).abs().max().item():.3g} against gloo"
+    return True
+
+
+@needs_cuda
+@worlds(2)
+@pytest.mark.parametrize("hook", ["none", "allreduce"])
+def test_ddp_on_cuda_matches_gloo(ranks, hook):
+    assert all(ranks.run(_ddp_on_cuda, hook, timeout=120))
 
 
 # ---------------------------------------------------------------------------------------------
