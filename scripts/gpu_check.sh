@@ -61,6 +61,7 @@ if ! PY=$(command -v "$PY"); then
   echo "gpu_check: no python: '${GPU_CHECK_PYTHON:-python3}' not found (set GPU_CHECK_PYTHON)" >&2
   exit 2
 fi
+case "$PY" in /*) ;; *) PY="$PWD/$PY" ;; esac   # the steps run in other directories
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
