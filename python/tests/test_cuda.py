@@ -376,6 +376,39 @@ def test_ddp_on_cuda_matches_gloo(ranks, hook):
     assert all(ranks.run(_ddp_on_cuda, hook, timeout=120))
 
 
+def _without_cuda_transports(ctx):
+    """With a UCX_TLS that leaves out UCX's CUDA transports, UCX may lose CUDA memory detection.
+    If it has (memory types without "cuda"), a CUDA tensor must be refused at the op with what is
+    missing and how to get it; if it has not, the op must simply work."""
+    import commux
+
+    d = dev(ctx)
+    t = value(ctx.rank, 1000).to(d)
+    peer = (ctx.rank + 1) % ctx.world
+    types = commux.runtime_info()["memory_types"]
+    if "cuda" not in types:
+        e = expect_raises(lambda: dist.all_reduce(t))
+        assert e["type"] == "ValueError", e
+        assert mentions(e["msg"], "commux allreduce", "cuda", "cannot carry", "libucx-cu13", "UCX_TLS"), e["msg"]
+        dist.barrier()  # nothing was posted
+        return ("refused", types)
+    works = [dist.isend(t, dst=peer, tag=3), dist.irecv(torch.zeros(1000, device=d), src=(ctx.rank - 1) % ctx.world, tag=3)]
+    for w in works:
+        w.wait()
+    return ("carried", types)
+
+
+@needs_cuda
+@pytest.mark.oneoff
+def test_cuda_tensor_with_a_ucx_tls_without_cuda_transports():
+    import mp
+
+    outs, closed = mp.run_once(_without_cuda_transports, 2, timeout=120, env={"UCX_TLS": "tcp,self"})
+    for o in outs + closed:
+        assert o.ok, o.describe()
+    print("UCX_TLS=tcp,self:", [o.value for o in outs])
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs everywhere: the device path's ATen operations on CPU tensors, and the device validation
 
