@@ -6,7 +6,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string>
+#include <thread>
 #include <utility>
+
+#include "commux/error.hpp"
 
 #ifndef COMMUX_DEVICE_TENSORS
 #define COMMUX_DEVICE_TENSORS 1
@@ -198,11 +202,33 @@ StreamFence::StreamFence(const std::vector<at::Tensor>& tensors) {
     c10::Event ev(d.type());
     ev.record(current);
     events_.push_back(std::move(ev));
+    devices_.push_back(d);
   }
 }
 
-void StreamFence::wait() const {
-  for (const auto& ev : events_) ev.synchronize();
+void StreamFence::wait(std::chrono::steady_clock::time_point deadline, const char* op) const {
+  using Clock = std::chrono::steady_clock;
+  for (std::size_t i = 0; i < events_.size(); ++i) {
+    // Poll the event: yield for the first 100 us (a kernel about to finish), then sleep with a
+    // backoff up to 1 ms, so that the wait honours the deadline (Event::synchronize has none).
+    const auto spin_until = Clock::now() + std::chrono::microseconds(100);
+    auto nap = std::chrono::microseconds(20);
+    while (!events_[i].query()) {
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        throw Error(Errc::kTimeout,
+                    std::string("commux ") + op + ": the work queued on the current stream of " +
+                        devices_[i].str() + " before the operation did not finish before the "
+                        "operation's deadline; nothing was posted");
+      }
+      if (now < spin_until) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(nap);
+        nap = std::min(nap * 2, std::chrono::microseconds(1000));
+      }
+    }
+  }
 }
 
 struct DeviceStreams::PerDevice {

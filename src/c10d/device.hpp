@@ -22,6 +22,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,11 +58,14 @@ class StreamFence {
   // a stream that is already idle).
   explicit StreamFence(const std::vector<at::Tensor>& tensors);
   bool empty() const { return events_.empty(); }
-  // Blocks the calling thread until every stream has reached its event.
-  void wait() const;
+  // Blocks the calling thread until every stream has reached its event, or until `deadline`:
+  // then throws commux::Error(kTimeout) naming `op` and the device (a hung or endless kernel
+  // before the operation must not hang the caller or the worker thread).
+  void wait(std::chrono::steady_clock::time_point deadline, const char* op) const;
 
  private:
   std::vector<c10::Event> events_;
+  std::vector<c10::Device> devices_;
 };
 
 // The backend's own stream per device, where it runs its device work, plus a coll::DeviceOps per

@@ -375,7 +375,7 @@ void ProcessGroupUCX::run(Task& t) {
     t.body(t.tag, t.deadline);
     return;
   }
-  t.fence.wait();
+  t.fence.wait(t.deadline, t.op_name);
   streams_->record(t.keep_alive);
   streams_->record(t.outputs);
   c10::StreamGuard g(streams_->stream(t.device));
@@ -517,7 +517,14 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
   }
   // UCX reads (or overwrites) the tensors from now on: the work queued on their streams before
   // this call must be complete. This waits on an event, not on the whole device.
-  if (device) StreamFence(tensors).wait();
+  if (device) {
+    try {
+      StreamFence(tensors).wait(Clock::now() + timeout_,
+                                type == c10d::OpType::SEND ? "send" : "recv");
+    } catch (...) {
+      c10d_detail::throw_torch_error(std::current_exception());
+    }
+  }
   Request r;
   try {
     r = type == c10d::OpType::SEND
