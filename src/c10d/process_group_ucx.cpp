@@ -509,24 +509,17 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
     many.resize(tensors.size());
     b = many.data();
   }
+  const char* op = type == c10d::OpType::SEND ? "send" : "recv";
   bool device = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    b[i] = Buffer{tensors[i].data_ptr(), nbytes(tensors[i]),
-                  memory_type_of(type == c10d::OpType::SEND ? "send" : "recv", tensors[i], "tensor")};
+    b[i] = Buffer{tensors[i].data_ptr(), nbytes(tensors[i]), memory_type_of(op, tensors[i], "tensor")};
     device = device || b[i].mem != MemoryType::kHost;
-  }
-  // UCX reads (or overwrites) the tensors from now on: the work queued on their streams before
-  // this call must be complete. This waits on an event, not on the whole device.
-  if (device) {
-    try {
-      StreamFence(tensors).wait(Clock::now() + timeout_,
-                                type == c10d::OpType::SEND ? "send" : "recv");
-    } catch (...) {
-      c10d_detail::throw_torch_error(std::current_exception());
-    }
   }
   Request r;
   try {
+    // UCX reads (or overwrites) the tensors from now on: the work queued on their streams before
+    // this call must be complete. This waits on an event, not on the whole device.
+    if (device) StreamFence(tensors).wait(Clock::now() + timeout_, op);
     r = type == c10d::OpType::SEND
             ? comm_->post_send(b, tensors.size(), peer, TagKind::kUser,
                                static_cast<std::uint32_t>(tag), /*fast_completion=*/true)

@@ -200,4 +200,8 @@ void fold_in(Exchange& ex, char* buf, std::size_t count, DataType t, ReduceOp op
 // "for block 3" size check of a completed receive.
 void expect_bytes(Exchange& ex, std::size_t id, int peer, std::size_t expected, const char* what);
 
+// Receives exactly `bytes` from `peer` into `buf` (memory `mem`) and waits for it: a message of
+// another size fails the collective naming the peer and both sizes.
+void recv_exact(Exchange& ex, void* buf, std::size_t bytes, int peer, MemoryType mem);
+
 }  // namespace commux::coll::detail

@@ -26,6 +26,20 @@ inline constexpr std::size_t kGatherBinomialBytes = std::size_t{16} << 10;
 // Linear gather / scatter and pairwise alltoall keep at most this many peers' messages in flight.
 inline constexpr int kMaxInFlight = 4;
 
+// Steps 1 .. n-1 with at most kMaxInFlight of them posted ahead: post(i) for the first ones, then
+// local() (the rank's own part, overlapping them), then finish(i) for each step in order, each
+// followed by the post of the next step not yet posted.
+template <class Post, class Local, class Finish>
+void windowed_steps(int n, Post post, Local local, Finish finish) {
+  int posted = 0;
+  for (int i = 1; i < n && i <= kMaxInFlight; ++i) post(posted = i);
+  local();
+  for (int i = 1; i < n; ++i) {
+    finish(i);
+    if (posted + 1 < n) post(++posted);
+  }
+}
+
 // Large messages are cut into chunks of about this size where an algorithm pipelines (the 2-rank
 // halves exchange, reduce): the next chunk travels while the previous one is reduced, and
 // scratch memory stays small and in cache.

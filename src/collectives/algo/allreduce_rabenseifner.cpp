@@ -23,9 +23,7 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   if (rd.role == Role::kFoldOut) {
     ex.wait(ex.send_work(a.buf, bytes, rd.fold_peer));
     ex.phase("rabenseifner: result from the fold partner");
-    const std::size_t id = ex.recv_work(a.buf, bytes, rd.fold_peer);
-    ex.wait(id);
-    expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
+    recv_exact(ex, a.buf, bytes, rd.fold_peer, ex.work_mem());
     return;
   }
   if (rd.role == Role::kFoldIn) fold_in(ex, a.buf, a.count, a.t, a.op, rd.fold_peer);

@@ -23,15 +23,11 @@ void run(Exchange& ex, const AllreduceArgs& a) {
     const std::size_t s = ex.send_work(buf, bytes, rd.fold_peer);
     ex.wait(s);
     ex.phase("recursive doubling: result from the fold partner");
-    const std::size_t id = ex.recv_work(buf, bytes, rd.fold_peer);
-    ex.wait(id);
-    expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
+    recv_exact(ex, buf, bytes, rd.fold_peer, ex.work_mem());
     return;
   }
   if (rd.role == Role::kFoldIn) {
-    const std::size_t id = ex.recv_work(tmp, bytes, rd.fold_peer);
-    ex.wait(id);
-    expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
+    recv_exact(ex, tmp, bytes, rd.fold_peer, ex.work_mem());
     ex.reduce(buf, tmp, buf, count, a.t, a.op);  // the partner (lower rank) on the left
   }
   ex.phase("recursive doubling");

@@ -29,17 +29,18 @@ void run(Exchange& ex, const AlltoallArgs& a) {
     sid[static_cast<std::size_t>(i)] =
         ex.send_user(a.in + a.send_displs[to], a.send_counts[to], static_cast<int>(to));
   };
-  int posted = 0;
-  for (int i = 1; i < n && i <= kMaxInFlight; ++i) post(posted = i);
   const auto me = static_cast<std::size_t>(r);
-  ex.copy(a.out + a.recv_displs[me], ex.mem(), a.in + a.send_displs[me], ex.mem(), a.send_counts[me]);
-  for (int i = 1; i < n; ++i) {
-    const int from = pattern::pairwise_recv_from(r, n, i);
-    ex.wait(rid[static_cast<std::size_t>(i)]);
-    alltoall_check(ex, rid[static_cast<std::size_t>(i)], from, a.recv_counts[static_cast<std::size_t>(from)]);
-    ex.wait(sid[static_cast<std::size_t>(i)]);
-    if (posted + 1 < n) post(++posted);
-  }
+  windowed_steps(
+      n, post,
+      [&] {
+        ex.copy(a.out + a.recv_displs[me], ex.mem(), a.in + a.send_displs[me], ex.mem(), a.send_counts[me]);
+      },
+      [&](int i) {
+        const int from = pattern::pairwise_recv_from(r, n, i);
+        ex.wait(rid[static_cast<std::size_t>(i)]);
+        alltoall_check(ex, rid[static_cast<std::size_t>(i)], from, a.recv_counts[static_cast<std::size_t>(from)]);
+        ex.wait(sid[static_cast<std::size_t>(i)]);
+      });
   ex.wait_all();
 }
 

@@ -12,9 +12,7 @@ void run(Exchange& ex, const BroadcastArgs& a) {
   ex.phase("binomial tree");
   const pattern::Tree t = pattern::binomial_tree(ex.rank(), ex.size(), a.root);
   if (t.parent >= 0) {
-    const std::size_t id = ex.recv_user(a.buf, a.bytes, t.parent);
-    ex.wait(id);
-    expect_bytes(ex, id, t.parent, a.bytes, nullptr);
+    recv_exact(ex, a.buf, a.bytes, t.parent, ex.mem());
   }
   for (int c : t.children) ex.send_user(a.buf, a.bytes, c);
   ex.wait_all();

@@ -24,14 +24,13 @@ void run(Exchange& ex, const RootedArgs& a) {
     const int p = pattern::mod(root + i, n);
     ids[static_cast<std::size_t>(i)] = ex.recv_user(a.out + static_cast<std::size_t>(p) * a.bytes, a.bytes, p);
   };
-  int posted = 0;
-  for (int i = 1; i < n && i <= kMaxInFlight; ++i) post(posted = i);
-  ex.copy(a.out + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.in, ex.mem(), a.bytes);
-  for (int i = 1; i < n; ++i) {
-    ex.wait(ids[static_cast<std::size_t>(i)]);
-    expect_bytes(ex, ids[static_cast<std::size_t>(i)], pattern::mod(root + i, n), a.bytes, nullptr);
-    if (posted + 1 < n) post(++posted);
-  }
+  windowed_steps(
+      n, post,
+      [&] { ex.copy(a.out + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.in, ex.mem(), a.bytes); },
+      [&](int i) {
+        ex.wait(ids[static_cast<std::size_t>(i)]);
+        expect_bytes(ex, ids[static_cast<std::size_t>(i)], pattern::mod(root + i, n), a.bytes, nullptr);
+      });
 }
 
 }  // namespace

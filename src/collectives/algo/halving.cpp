@@ -13,9 +13,7 @@ namespace commux::coll::detail {
 void fold_in(Exchange& ex, char* buf, std::size_t count, DataType t, ReduceOp op, int partner) {
   const std::size_t bytes = count * dtype_size(t);
   char* tmp = ex.scratch(bytes);
-  const std::size_t id = ex.recv_work(tmp, bytes, partner);
-  ex.wait(id);
-  expect_bytes(ex, id, partner, bytes, nullptr);
+  recv_exact(ex, tmp, bytes, partner, ex.work_mem());
   ex.reduce(buf, tmp, buf, count, t, op);
 }
 
@@ -23,6 +21,12 @@ void expect_bytes(Exchange& ex, std::size_t id, int peer, std::size_t expected, 
   if (ex.bytes(id) != expected) {
     ex.fail(Errc::kInvalidArgument, size_mismatch(peer, ex.bytes(id), expected, what));
   }
+}
+
+void recv_exact(Exchange& ex, void* buf, std::size_t bytes, int peer, MemoryType mem) {
+  const std::size_t id = ex.recv(buf, bytes, peer, mem);
+  ex.wait(id);
+  expect_bytes(ex, id, peer, bytes, nullptr);
 }
 
 std::pair<std::size_t, std::size_t> halving_first_keep(const std::size_t* off, int q, int n) {

@@ -27,9 +27,7 @@ void run(Exchange& ex, const ReduceArgs& a) {
     ex.wait(ex.send_work(a.buf, bytes, rd.fold_peer));
     if (r == root) {
       ex.phase("rabenseifner reduce: result from the fold partner");
-      const std::size_t id = ex.recv_work(a.buf, bytes, rd.fold_peer);
-      ex.wait(id);
-      expect_bytes(ex, id, rd.fold_peer, bytes, nullptr);
+      recv_exact(ex, a.buf, bytes, rd.fold_peer, ex.work_mem());
     }
     return;
   }
@@ -47,9 +45,7 @@ void run(Exchange& ex, const ReduceArgs& a) {
     if (st.send) {
       ex.wait(ex.send_work(at, len, peer));
     } else {
-      const std::size_t id = ex.recv_work(at, len, peer);
-      ex.wait(id);
-      expect_bytes(ex, id, peer, len, nullptr);
+      recv_exact(ex, at, len, peer, ex.work_mem());
     }
   }
   if (root_out && q == qroot) {

@@ -20,9 +20,7 @@ void run(Exchange& ex, const RootedArgs& a) {
   const auto size = static_cast<std::size_t>(pattern::subtree_size(v, n));
   ex.phase("binomial tree");
   if (t.children.empty()) {
-    const std::size_t id = ex.recv_user(a.out, bytes, t.parent);
-    ex.wait(id);
-    expect_bytes(ex, id, t.parent, bytes, nullptr);
+    recv_exact(ex, a.out, bytes, t.parent, ex.mem());
     return;
   }
   const char* buf = nullptr;
@@ -37,9 +35,7 @@ void run(Exchange& ex, const RootedArgs& a) {
       ex.copy(tmp, ex.work_mem(), a.in + ro * bytes, ex.mem(), (nn - ro) * bytes);
       ex.copy(tmp + (nn - ro) * bytes, ex.work_mem(), a.in, ex.mem(), ro * bytes);
     } else {
-      const std::size_t id = ex.recv_work(tmp, size * bytes, t.parent);
-      ex.wait(id);
-      expect_bytes(ex, id, t.parent, size * bytes, nullptr);
+      recv_exact(ex, tmp, size * bytes, t.parent, ex.work_mem());
     }
     buf = tmp;
   }

@@ -14,9 +14,7 @@ void run(Exchange& ex, const RootedArgs& a) {
   const int n = ex.size(), r = ex.rank(), root = a.root;
   ex.phase("linear");
   if (r != root) {
-    const std::size_t id = ex.recv_user(a.out, a.bytes, root);
-    ex.wait(id);
-    expect_bytes(ex, id, root, a.bytes, nullptr);
+    recv_exact(ex, a.out, a.bytes, root, ex.mem());
     return;
   }
   std::vector<std::size_t> ids(static_cast<std::size_t>(n));
@@ -24,13 +22,10 @@ void run(Exchange& ex, const RootedArgs& a) {
     const int p = pattern::mod(root + i, n);
     ids[static_cast<std::size_t>(i)] = ex.send_user(a.in + static_cast<std::size_t>(p) * a.bytes, a.bytes, p);
   };
-  int posted = 0;
-  for (int i = 1; i < n && i <= kMaxInFlight; ++i) post(posted = i);
-  ex.copy(a.out, ex.mem(), a.in + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.bytes);
-  for (int i = 1; i < n; ++i) {
-    ex.wait(ids[static_cast<std::size_t>(i)]);
-    if (posted + 1 < n) post(++posted);
-  }
+  windowed_steps(
+      n, post,
+      [&] { ex.copy(a.out, ex.mem(), a.in + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.bytes); },
+      [&](int i) { ex.wait(ids[static_cast<std::size_t>(i)]); });
 }
 
 }  // namespace
