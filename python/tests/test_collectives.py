@@ -550,3 +550,44 @@ def test_non_contiguous(ranks, ws, kind):
             if p.startswith("raised"):
                 assert any(w in p.lower() for w in ("contiguous", "stride", "dense")), \
                     f"{kind} {shape_kind}: unclear error: {p}"
+
+
+# ---------------------------------------------------------------------------------------------
+def _premul_sum_factor_forms(ctx, factor_form, kind):
+    """PREMUL_SUM carries its factor as a double or as a tensor (a ReduceOp supplement whose C++
+    name changed across torch releases): both must scale every rank's input before the sum."""
+    me, W, n = ctx.rank, ctx.world, 65
+    f = 0.25
+    factor = f if factor_form == "scalar" else torch.tensor(f, dtype=torch.float64)
+    op = dist._make_nccl_premul_sum(factor)
+    inputs = [torch.arange(W * n, dtype=torch.float64) * (r + 1) + r for r in range(W)]
+    x = inputs[me].clone()
+    if kind == "all_reduce":
+        dist.all_reduce(x, op=op)
+        got, want = x, sum(f * t for t in inputs)
+    elif kind == "reduce_scatter_tensor":
+        got = torch.full((n,), 99.0, dtype=torch.float64)
+        dist.reduce_scatter_tensor(got, x, op=op)
+        want = sum(f * t for t in inputs)[me * n:(me + 1) * n]
+    else:  # reduce_scatter_tensor inside the coalescing manager (reduce_scatter_tensor_coalesced)
+        from torch.distributed.distributed_c10d import _coalescing_manager
+        outs = [torch.full((n,), 99.0, dtype=torch.float64) for _ in range(2)]
+        with _coalescing_manager(async_ops=True) as cm:
+            for o in outs:
+                dist.reduce_scatter_tensor(o, x, op=op)
+        cm.wait()
+        want = sum(f * t for t in inputs)[me * n:(me + 1) * n]
+        for o in outs[1:]:
+            assert torch.equal(o, want), f"coalesced PREMUL_SUM ({factor_form}): second tensor wrong"
+        got = outs[0]
+    if kind != "all_reduce":
+        assert torch.equal(x, inputs[me]), f"{kind} PREMUL_SUM ({factor_form}) modified its input"
+    assert torch.equal(got, want), f"{kind} PREMUL_SUM ({factor_form}): {first_mismatch(got, want)}"
+
+
+@worlds(2, 3)
+@pytest.mark.ucx_semantics  # gloo has no PREMUL_SUM
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"])
+@pytest.mark.parametrize("factor_form", ["scalar", "tensor"])
+def test_premul_sum_factor_forms(ranks, ws, factor_form, kind):
+    ranks.run(_premul_sum_factor_forms, factor_form, kind, timeout=FAST)

@@ -16,6 +16,7 @@
 #include "commux/collectives.hpp"
 #include "commux/error.hpp"
 #include "device.hpp"
+#include "torch_compat.hpp"
 #include "work.hpp"
 
 namespace commux {
@@ -126,7 +127,7 @@ Reduction to_reduction(const char* op, const c10d::ReduceOp& r, at::ScalarType s
       if (r.op_ == c10d::ReduceOp::AVG) {
         out.average = true;
       } else {
-        auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(r.supplement_.get());
+        auto* s = dynamic_cast<torch_compat::PreMulSumSupplement*>(r.supplement_.get());
         if (s == nullptr) invalid(op, "PREMUL_SUM without a factor");
         out.pre_scale = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
       }
@@ -881,7 +882,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
   auto ins = inputs;
   auto outs = outputs;
   const int size = getSize();
-  return enqueue(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, op, opts.timeout, ins, outs,
+  return enqueue(torch_compat::kReduceScatterTensorCoalesced, op, opts.timeout, ins, outs,
                  [this, ins, outs, rs, size, op](std::uint32_t tag, Clock::time_point dl) {
                    for (std::size_t i = 0; i < ins.size(); ++i) {
                      run_reduce_scatter(context(op, tag + i, dl, outs[i]),
