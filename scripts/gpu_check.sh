@@ -23,6 +23,12 @@
 # left of the whole budget (GPU_CHECK_BUDGET_S, default 450 s); a step that no longer fits is
 # skipped, so the summary always comes.
 #
+# Preflight, on a machine without a GPU, against the GPU machine's torch (2.11): CI runs
+# `GPU_CHECK_PYTHON=.venv-torch2.11/bin/python scripts/gpu_check.sh --cpu-smoke` (scripts/test.sh
+# torch), so a compile error against that torch is found before a GPU run is spent on it. When the
+# build fails here or there, the install step fails at once, every later step is skipped, and the
+# summary names the compiler's first error.
+#
 # On the device machine (see docs/gpu.md): first, where pip reaches PyPI,
 # `scripts/fetch_gpu_wheels.sh` (fills .whl/), then the device tool's run with
 # command `bash scripts/gpu_check.sh`, carry [".whl"], timeout_s 540.
@@ -125,8 +131,14 @@ step() {
     record "$name" skipped $((SECONDS - t0)) "$(tail -n 1 "$log")"
   else
     [ "$show" = 1 ] || { echo "   last lines of $log:"; tail -n 40 "$log" | sed 's/^/   | /'; }
-    local why="exit status $rc"
+    local why="exit status $rc" first
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then why="timed out after ${limit} s"; fi
+    # A build that fails says why in the summary: the first compiler or CMake error of its log.
+    first=$(grep -m 1 -E ': (fatal )?error: |CMake Error|^ERROR: ' "$log" | sed 's/^ *//' | cut -c 1-300 || true)
+    if [ -n "$first" ]; then
+      why="$why; first error: ${first//|/\\|}"
+      echo "   first error: $first"
+    fi
     record "$name" FAILED $((SECONDS - t0)) "$why (log: logs/$name.log)"
   fi
 }

@@ -4,7 +4,8 @@
 # (benchmark peer), iproute2 (two-namespace test). Python venv .venv: the libucx-cu13 wheel (UCX
 # 1.22 with CUDA transports, the default provider), cmake, ninja, pytest, and torch (CPU build,
 # COMMUX_TORCH overrides the requirement) with what `pip install . --no-build-isolation` needs, and
-# matplotlib (the benchmark plots). With the argument `cuda`, also .venv-cuda (see the end).
+# matplotlib (the benchmark plots). With the argument `cuda`, also .venv-cuda; with `torch X.Y`,
+# also .venv-torchX.Y (see the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,4 +49,26 @@ if [ "${1:-}" = cuda ]; then
       pytest numpy pybind11 "scikit-build-core>=0.10" "${COMMUX_CUDA_TORCH:-torch==2.14.1}"
   fi
   echo "setup: .venv-cuda ok ($(.venv-cuda/bin/python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null))"
+fi
+
+# `scripts/setup.sh torch X.Y`: also .venv-torchX.Y, the same tools with the newest torch X.Y.* from
+# the index, so that CI builds and tests the package against every torch release the package claims
+# (README, "Supported torch"). From PyPI these are CUDA builds (about 0.5 GB plus the CUDA libraries);
+# they run CPU tensors like any other build. The environment is reused while its torch is X.Y.
+if [ "${1:-}" = torch ]; then
+  v=${2:?"setup.sh torch X.Y: which torch release (e.g. 2.11)"}
+  case "$v" in [0-9]*.[0-9]*) ;; *) echo "setup: 'torch $v': give a release as X.Y (e.g. 2.11)" >&2; exit 2 ;; esac
+  venv=.venv-torch$v
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "setup: creating $venv"
+    "$python" -m venv "$venv"
+  fi
+  if ! "$venv/bin/python" -c "
+import libucx, cmake, ninja, pytest, numpy, pybind11, scikit_build_core, torch
+assert torch.__version__.split('+')[0].rsplit('.', 1)[0] == '$v', torch.__version__" 2>/dev/null; then
+    echo "setup: installing Python packages into $venv (torch $v.*)"
+    "$venv/bin/pip" install -q --disable-pip-version-check "libucx-cu13>=1.22,<1.23" cmake ninja \
+      pytest numpy pybind11 "scikit-build-core>=0.10" "torch==$v.*"
+  fi
+  echo "setup: $venv ok ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null))"
 fi

@@ -1,62 +1,120 @@
 #!/usr/bin/env bash
-# scripts/test.sh: every test, from a fresh machine. Installs what is missing, then builds and runs
-# the C++ suites against both UCX providers (the wheel's UCX 1.22 and Debian's UCX 1.13) and under
-# ASan+UBSan, a smoke run of the benchmark (correctness only), the Python tests, and the package
-# built against a CUDA build of torch with its CUDA suite (GPU tests skip without a GPU).
+# scripts/test.sh [STAGE...]: every test, from a fresh machine (no argument), or the named stages.
+# Installs what is missing, then runs, in this order:
+#
+#   cpp          the C++ suites, UCX from the libucx-cu13 wheel (UCX 1.22)
+#   cpp-system   the C++ suites, UCX from the system (Debian libucx-dev, UCX 1.13)
+#   asan         the C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer
+#   bench        a smoke run of the C++ benchmark (correctness only; timings not judged)
+#   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests
+#   cuda         the package against a CUDA build of torch 2.14 (.venv-cuda): it builds, imports and
+#                passes the CUDA suite (its GPU tests skip on a machine without one)
+#   torch        the package built against torch 2.11 and 2.12 (the oldest supported releases; 2.11
+#                is the GPU machines' torch), the p2p / collectives / DDP / EP suites on 2.11, and
+#                scripts/gpu_check.sh --cpu-smoke against 2.11 (the GPU check's build, here first)
+#
+# e.g. `scripts/test.sh python` while iterating; CI runs them all (.ci/run). An unknown stage is an
+# error. A stage that finds no tests fails: nothing is skipped silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+
+ALL_STAGES=(cpp cpp-system asan bench python cuda torch)
+# The torch releases the package claims besides the two above (2.13 CPU in .venv, 2.14 CUDA in
+# .venv-cuda); README "Supported torch" and pyproject.toml state the same range.
+OLDER_TORCH=(2.11 2.12)
+SUITE_TORCH=2.11   # the release the subset of the Python suite runs on as well
 
 run_ctest() {  # build dir [extra ctest args]
   local dir=$1
   shift
-  (cd "$dir" && ../.venv/bin/ctest --output-on-failure --timeout 240 -j2 "$@")
+  (cd "$dir" && ../.venv/bin/ctest --output-on-failure --timeout 240 -j2 --no-tests=error "$@")
 }
 
-echo "== C++ tests, UCX from the libucx-cu13 wheel"
-scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
-run_ctest build
-
-echo "== C++ tests, UCX from the system (Debian libucx-dev)"
-scripts/build.sh build-system -DCOMMUX_UCX_PROVIDER=system -DCOMMUX_BUILD_BENCH=OFF
-run_ctest build-system
-
-echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
-# UCX's CMA transport and ASan clash (ASan crashes in process_vm_readv during wire-up): ^cma.
-scripts/build.sh build-asan -DCOMMUX_SANITIZE=address,undefined -DCOMMUX_BUILD_BENCH=OFF \
-  -DCOMMUX_BUILD_EXAMPLES=OFF
-# (The install test is left out: an instrumented library needs an instrumented consumer.)
-(export UCX_TLS=^cma UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 &&
-  run_ctest build-asan -E install)
-
-if [ -f bench/run_bench.py ]; then
-  echo "== benchmark smoke run (correctness checked; timings not judged)"
-  .venv/bin/python bench/run_bench.py build --quick --settle 0 --out results/p2p-smoke
-fi
-
-run_pytest() {  # python [pytest args]: pytest's "no tests collected" (5) is not a failure
+run_pytest() {  # python [pytest args]: a run that collects no test fails (pytest's exit 5)
   local py=$1
   shift
-  set +e
   "$py" -m pytest -q "$@"
-  local rc=$?
-  set -e
-  if [ $rc -eq 5 ]; then echo "pytest: no tests collected"; elif [ $rc -ne 0 ]; then exit $rc; fi
 }
 
-echo "== Python package (pip install . --no-build-isolation) and its tests"
-scripts/install.sh
-if [ -d python/tests ]; then
-  run_pytest .venv/bin/python python/tests
-fi
+stage_cpp() {
+  echo "== C++ tests, UCX from the libucx-cu13 wheel"
+  scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
+  run_ctest build
+}
 
-echo "== the package against a CUDA build of torch (.venv-cuda): it builds, imports and passes the"
-echo "   CUDA suite (its GPU tests skip on a machine without one), the package and p2p tests"
-scripts/setup.sh cuda
-.venv-cuda/bin/pip install -q --disable-pip-version-check --no-build-isolation \
-  -C build-dir='build-py-cuda/{wheel_tag}' .
-(cd /tmp && "$OLDPWD/.venv-cuda/bin/python" -m commux.info)
-run_pytest .venv-cuda/bin/python python/tests/test_cuda.py python/tests/test_package.py \
-  python/tests/test_transports.py python/tests/test_p2p.py
-echo "scripts/test.sh: all tests passed"
+stage_cpp-system() {
+  echo "== C++ tests, UCX from the system (Debian libucx-dev)"
+  scripts/build.sh build-system -DCOMMUX_UCX_PROVIDER=system -DCOMMUX_BUILD_BENCH=OFF
+  run_ctest build-system
+}
+
+stage_asan() {
+  echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+  # UCX's CMA transport and ASan clash (ASan crashes in process_vm_readv during wire-up): ^cma.
+  scripts/build.sh build-asan -DCOMMUX_SANITIZE=address,undefined -DCOMMUX_BUILD_BENCH=OFF \
+    -DCOMMUX_BUILD_EXAMPLES=OFF
+  # (The install test is left out: an instrumented library needs an instrumented consumer.)
+  (export UCX_TLS=^cma UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 &&
+    run_ctest build-asan -E install)
+}
+
+stage_bench() {
+  echo "== benchmark smoke run (correctness checked; timings not judged)"
+  [ -x build/commux_bench ] || scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
+  .venv/bin/python bench/run_bench.py build --quick --settle 0 --out results/p2p-smoke
+}
+
+stage_python() {
+  echo "== Python package (pip install . --no-build-isolation) and its tests"
+  scripts/install.sh
+  run_pytest .venv/bin/python python/tests
+}
+
+stage_cuda() {
+  echo "== the package against a CUDA build of torch (.venv-cuda): it builds, imports and passes the"
+  echo "   CUDA suite (its GPU tests skip on a machine without one), the package and p2p tests"
+  scripts/setup.sh cuda
+  .venv-cuda/bin/pip install -q --disable-pip-version-check --no-build-isolation \
+    -C build-dir='build-py-cuda/{wheel_tag}' .
+  (cd /tmp && "$OLDPWD/.venv-cuda/bin/python" -m commux.info)
+  run_pytest .venv-cuda/bin/python python/tests/test_cuda.py python/tests/test_package.py \
+    python/tests/test_transports.py python/tests/test_p2p.py
+}
+
+stage_torch() {
+  local v venv
+  for v in "${OLDER_TORCH[@]}"; do
+    echo "== the package against torch $v (.venv-torch$v): pip install . --no-build-isolation"
+    scripts/setup.sh torch "$v"
+    venv=.venv-torch$v
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation \
+      -C build-dir="build-py-torch$v/{wheel_tag}" .
+    (cd /tmp && "$OLDPWD/$venv/bin/python" -c \
+      "import commux, torch; print('torch', torch.__version__, '-> commux', commux.__version__, 'built for', commux._BUILT_WITH_TORCH)")
+  done
+  venv=.venv-torch$SUITE_TORCH
+  echo "== on torch $SUITE_TORCH: tagged p2p, every collective against gloo, DDP, the package"
+  run_pytest "$venv/bin/python" python/tests/test_p2p.py python/tests/test_collectives.py \
+    python/tests/test_ddp.py python/tests/test_work.py python/tests/test_package.py
+  echo "== scripts/gpu_check.sh --cpu-smoke on torch $SUITE_TORCH: the GPU check's own build and steps"
+  GPU_CHECK_PYTHON=$venv/bin/python OUT=results/gpu-smoke-torch$SUITE_TORCH \
+    GPU_CHECK_DIR=/tmp/commux-gpu-smoke-torch$SUITE_TORCH scripts/gpu_check.sh --cpu-smoke
+}
+
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=("${ALL_STAGES[@]}")
+for s in "${stages[@]}"; do
+  case " ${ALL_STAGES[*]} " in
+    *" $s "*) ;;
+    *) echo "scripts/test.sh: unknown stage '$s' (stages: ${ALL_STAGES[*]})" >&2; exit 2 ;;
+  esac
+done
+scripts/setup.sh
+t0=$SECONDS
+for s in "${stages[@]}"; do
+  ts=$SECONDS
+  "stage_$s"
+  echo "== stage $s passed in $((SECONDS - ts)) s"
+done
+echo "scripts/test.sh: stages ${stages[*]} passed in $((SECONDS - t0)) s"
