@@ -82,6 +82,17 @@ PYBIND11_MODULE(_C, m) {
            py::arg("name") = "ucx", py::arg("group_name") = "",
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("timeout", &commux::ProcessGroupUCX::timeout)
+      .def(
+          "_exchange_bytes",
+          [](commux::ProcessGroupUCX& pg, const std::string& op, const at::Tensor& send,
+             const std::vector<std::int64_t>& send_bytes, const std::vector<std::int64_t>& recv_bytes,
+             std::int64_t timeout_ms) {
+            return pg.exchange_bytes(op, send, send_bytes, recv_bytes,
+                                     std::chrono::milliseconds(timeout_ms));
+          },
+          py::arg("op"), py::arg("send"), py::arg("send_bytes"), py::arg("recv_bytes"),
+          py::arg("timeout_ms") = 0, py::call_guard<py::gil_scoped_release>(),
+           "commux.ep's sparse all-to-all of byte tensors on internal tags (see process_group_ucx.hpp)")
       .def_property_readonly("device_ops_calls", &commux::ProcessGroupUCX::device_ops_calls,
                              "collective calls that reduced and kept scratch on the tensors' "
                              "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)");
