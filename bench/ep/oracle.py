@@ -100,7 +100,13 @@ def _payload_shape(what: str, recv_x, lead: tuple, H: int, fp8: bool) -> list[st
 
 
 def _payload_equal(got, want) -> torch.Tensor:
-    """bool [n]: rows bit-identical (bf16 bits, or fp8 bytes and scale bits)."""
+    """bool [n]: rows bit-identical (bf16 bits, or fp8 bytes and scale bits); all False when the
+    received rows have another dtype or width (reported by the shape checks)."""
+    pairs = list(zip(got, want)) if isinstance(want, tuple) and isinstance(got, tuple) else [(got, want)]
+    if isinstance(want, tuple) != isinstance(got, tuple) or any(
+            a.dtype != b.dtype or a.shape[1:] != b.shape[1:] for a, b in pairs):
+        n = (got[0] if isinstance(got, tuple) else got).shape[0]
+        return torch.zeros(n, dtype=torch.bool)
     if isinstance(want, tuple):
         return ((got[0].view(torch.uint8) == want[0].view(torch.uint8)).all(dim=1)
                 & (got[1].view(torch.int32) == want[1].view(torch.int32)).all(dim=1))

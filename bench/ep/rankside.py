@@ -193,6 +193,8 @@ def _timed(ctx, ad, inp: Inputs, y, warmup: int, iters: int) -> dict:
 def run_point(ctx, spec: dict) -> dict:
     """One (case, tokens point) on this rank; returns failures, per-iteration times (us), extras."""
     t_start = time.monotonic()
+    if spec.get("inject") == "hang" and ctx.rank == 0:
+        time.sleep(3600)   # the hang guard's self-test: the parent must dump stacks, kill and go on
     trace, fails = _trace(ctx, spec)
     fails = list(fails)
     device = _device(ctx, spec["memtype"])

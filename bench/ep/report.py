@@ -233,14 +233,16 @@ def plots(records: list[dict], out_dir: str) -> list[str]:
         i = rec["identity"]
         if rec["disposition"] != "runnable" or not any(r["outcome"] == "success" for r in rec["rows"]):
             continue
-        by[(i["world"], i["workload"], i["memtype"])][(i["mode"], i["precision"])].append(rec)
+        panel = ("normal", "bf16") if i["mode"] == "reference" else (i["mode"], i["precision"])
+        by[(i["world"], i["workload"], i["memtype"])][panel].append(rec)
     paths = []
     for (world, wl, mem), panels in sorted(by.items()):
         keys = sorted(panels)
         fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.8), squeeze=False)
         for ax, (mode, prec) in zip(axes[0], keys):
             for rec in sorted(panels[(mode, prec)], key=lambda r: r["identity"]["backend"]):
-                comp = "dispatch" if mode == "reference" else "roundtrip"
+                ref = rec["identity"]["mode"] == "reference"
+                comp = "dispatch" if ref else "roundtrip"
                 pts = [(r["tokens"], r["components"][comp]["max"]) for r in rec["rows"]
                        if r["outcome"] == "success" and r["tokens"] > 0 and comp in r.get("components", {})]
                 if not pts:
@@ -248,17 +250,18 @@ def plots(records: list[dict], out_dir: str) -> list[str]:
                 xs = [p[0] for p in pts]
                 p50 = [p[1]["p50"] for p in pts]
                 p99 = [p[1]["p99"] for p in pts]
-                label = rec["identity"]["backend"] + (" (dispatch only)" if mode == "reference" else "")
-                line, = ax.plot(xs, p50, marker="o", ms=3, label=label)
+                label = "one all_to_all_single (ucx), dispatch bytes" if ref else rec["identity"]["backend"]
+                line, = ax.plot(xs, p50, marker="o", ms=3, label=label, ls="--" if ref else "-")
                 ax.fill_between(xs, p50, p99, color=line.get_color(), alpha=0.2, lw=0)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("tokens per rank")
-            ax.set_ylabel("round trip, us (p50, band to p99; cross-rank max)")
+            ax.set_ylabel("round trip, us")
             ax.set_title(f"{mode}, {prec}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle(f"EP dispatch+combine, {world} ranks, {wl}, {mem}", fontsize=11)
+        fig.suptitle(f"EP dispatch + combine round trip, {world} ranks, {wl}, {mem}: p50 of the cross-rank max, "
+                     "band to p99", fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, f"ep_w{world}_{wl}_{mem}.png")
         fig.savefig(path, dpi=110)

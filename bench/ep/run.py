@@ -39,6 +39,8 @@ from .inject import COMBINE_KINDS, KINDS  # noqa: E402
 from .rankside import close_adapters as _close_adapters, run_point as _run_point  # noqa: E402
 from .routing import RoutingSpec, Trace, logical_bytes  # noqa: E402
 
+HANG = "hang"
+
 PROBE = r"""
 import json, os, sys
 out = {"python": sys.version.split()[0]}
@@ -136,12 +138,13 @@ def parse_args(argv):
                     help="largest low-latency receive footprint per rank; larger cases are unsupported")
     ap.add_argument("--inject", default=None,
                     help=f"KIND[:BACKEND]: corrupt one result on rank 0 before the oracle (a self-test; "
-                         f"KIND in {', '.join(KINDS + COMBINE_KINDS)}); the run must then fail")
+                         f"KIND in {', '.join(KINDS + COMBINE_KINDS)}), or '{HANG}': rank 0 hangs at each "
+                         "case's second point (the hang guard's self-test); the run must then fail")
     ap.add_argument("--out", default=os.path.join(REPO, "results", "ep"))
     args = ap.parse_args(argv)
     if args.inject:
         kind = args.inject.split(":")[0]
-        if kind not in KINDS + COMBINE_KINDS:
+        if kind not in KINDS + COMBINE_KINDS + (HANG,):
             ap.error(f"--inject: unknown kind {kind!r}")
     return args
 
@@ -279,6 +282,8 @@ class Session:
         kind = None
         if inject and (inject[1] in (None, c.backend)):
             kind = inject[0]
+            if kind == HANG and tokens != c.tokens[min(1, len(c.tokens) - 1)]:
+                kind = None   # hang at the case's second point: the first row must survive
         spec = c.spec(tokens, kind)
         left = self.case_timeout - self.elapsed[c.id]
         t0 = time.monotonic()
