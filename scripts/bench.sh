@@ -10,8 +10,42 @@
 # about 11 minutes on a 2-core VM. Other options go to coll_bench.py (--ops, --worlds,
 # --backends, --max-bytes, --rounds, --out; see .venv/bin/python bench/coll_bench.py --help).
 # Exit status 1 when any result was wrong or a benchmark failed to run.
+#
+# scripts/bench.sh ep [--quick] [--build] [bench.ep options...]: the expert-parallel dispatch/combine
+# harness instead (bench/ep, docs/ep-bench.md): commux.ep beside the all_to_all_single paths on
+# "ucx" and gloo (and DeepEP / UCCL-EP where installed), 2, 3 and 4 ranks, normal and low-latency,
+# bf16 and fp8, every result checked by one oracle. Results: results/ep/ (matrix.json,
+# results.json, cases/, summary.md, ep_w<N>_<workload>_cpu.png). A few minutes; --quick (the smoke)
+# about 15 s. Builds and installs commux only when .venv cannot import it, or with --build.
+# Exit status 1 when any result was wrong or a case did not finish (missed targets do not count).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = ep ]; then
+  shift
+  ep_args=()
+  ep_build=0
+  for a in "$@"; do
+    case "$a" in
+      --build) ep_build=1 ;;
+      --no-build) ;;
+      *) ep_args+=("$a") ;;
+    esac
+  done
+  if [ $ep_build = 1 ] || ! .venv/bin/python -c "import commux.ep" >/dev/null 2>&1; then
+    scripts/install.sh                                 # scripts/setup.sh, then commux into .venv
+  fi
+  export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+  echo "== expert-parallel dispatch/combine: python -m bench.ep ${ep_args[*]:-}"
+  rc=0
+  .venv/bin/python -m bench.ep "${ep_args[@]}" || rc=$?
+  if [ $rc = 0 ]; then
+    echo "scripts/bench.sh ep: done; results in results/ep/"
+  else
+    echo "scripts/bench.sh ep: FAILED (a wrong result or a case that did not finish; see results/ep/summary.md)" >&2
+  fi
+  exit $rc
+fi
 
 build=1
 quick=()

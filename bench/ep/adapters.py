@@ -14,6 +14,7 @@ Adding a backend: docs/ep-bench.md, "Adding a backend adapter".
 
 Backends:
   commux-ep   commux.ep.Buffer (DeepEP's legacy Buffer API) on the default "ucx" group
+  commux-ep-gloo  the same Buffer on the gloo group (its all_to_all_single path)
   a2a-ucx     the torchtitan-style path on the "ucx" group: rows permuted by destination rank, one
               all_to_all_single of the counts, one of the rows and one of the metadata (uneven
               splits); combine = the reverse all_to_all_single and an index_add in float32
@@ -264,6 +265,14 @@ class CommuxEp(DeepEPApi):
         return Buffer(self.group, low_latency_mode=True) if low_latency else Buffer(self.group)
 
 
+class CommuxEpGloo(CommuxEp):
+    """commux.ep.Buffer on the gloo group: the same Buffer code over all_to_all_single, which
+    separates what the transport costs from what the Buffer's own work costs."""
+    name = "commux-ep-gloo"
+    CAPS = Capabilities(modes=CommuxEp.CAPS.modes, memtypes=("cpu",), group="gloo", module="commux.ep",
+                        cached_layout=True)
+
+
 class DeepEP(DeepEPApi):
     name = "deepep"
     CAPS = Capabilities(modes={"normal": RANK_DEDUP, "low-latency": EXPERT_PADDED}, memtypes=("cuda",),
@@ -298,7 +307,7 @@ class UcclEp(DeepEP):
         return ep
 
 
-ADAPTERS = {a.name: a for a in (CommuxEp, A2AUcx, A2AGloo, DeepEP, UcclEp)}
+ADAPTERS = {a.name: a for a in (CommuxEp, CommuxEpGloo, A2AUcx, A2AGloo, DeepEP, UcclEp)}
 REFERENCE = "a2a-even-ucx"
 REFERENCE_CAPS = Capabilities(modes={REFERENCE_MODE: ModeCaps("even-split", "none", ("bf16",))},
                               memtypes=("cpu", "cuda"), group="ucx")

@@ -23,14 +23,16 @@ LADDER = [1, 2, 4, 8, 16, 32, 64, 128]
 # (world, workload) -> {mode: ladder}; the full run fits a 2-core machine in a few minutes
 FULL_PLAN = {
     (2, "small"): {"normal": [0] + LADDER, "low-latency": [0] + LADDER},
-    (3, "small"): {"normal": [1, 16, 128], "low-latency": [1, 16, 128]},
-    (4, "small"): {"normal": [1, 16, 128], "low-latency": [1, 16, 128]},
-    (2, "dsv3"): {"normal": [1, 16, 128], "low-latency": [1, 8, 32]},
+    (3, "small"): {"normal": [1, 4, 16, 64, 128], "low-latency": [1, 4, 16, 64, 128]},
+    (4, "small"): {"normal": [1, 4, 16, 64, 128], "low-latency": [1, 4, 16, 64, 128]},
+    (2, "dsv3"): {"normal": [1, 8, 32, 128], "low-latency": [1, 8, 32]},
 }
 QUICK_PLAN = {
     (2, "small"): {"normal": [0, 1, 8, 128], "low-latency": [0, 1, 8, 128]},
 }
-ITERS = {"full": {"small": (3, 20), "dsv3": (2, 8)}, "quick": {"small": (1, 3), "dsv3": (1, 3)}}  # (warm-up, timed)
+# (warm-up, timed) iterations per point, by plan and workload; 3- and 4-rank points take fewer
+ITERS = {"full": {"small": (5, 40), "dsv3": (3, 15)}, "quick": {"small": (1, 3), "dsv3": (1, 3)}}
+ITERS_WORLD_SCALE = {2: 1.0, 3: 0.5, 4: 0.5}
 
 
 @dataclass
@@ -89,6 +91,7 @@ def build_matrix(plan: dict, env: dict, *, backends=ALL_BACKENDS, modes=MODES, p
         w = WORKLOADS[wl]
         experts = w["experts"] - w["experts"] % world
         wu, it = ITERS[iters_kind][wl]
+        it = max(3, int(it * ITERS_WORLD_SCALE.get(world, 0.5)))
         wu = wu if warmup is None else warmup
         it = it if iters is None else iters
         for backend in backends:

@@ -298,7 +298,8 @@ def test_smoke_every_installed_adapter_passes_the_oracle(tmp_path):
     detail = p.stdout[-6000:] + p.stderr[-3000:]
     for name in ("matrix.json", "results.json", "summary.md", "rows.jsonl", "ep_w2_small_cpu.png"):
         assert (tmp_path / name).stat().st_size > 0, name
-    want = {"commux-ep": ("normal", "low-latency"), "a2a-ucx": ("normal",), "a2a-gloo": ("normal",),
+    want = {"commux-ep": ("normal", "low-latency"), "commux-ep-gloo": ("normal", "low-latency"),
+            "a2a-ucx": ("normal",), "a2a-gloo": ("normal",),
             "a2a-even-ucx": ("reference",)}
     for backend, modes in want.items():
         for mode in modes:
