@@ -135,17 +135,20 @@ class ProcessGroupUCX : public c10d::Backend {
 
   // The sparse all-to-all under commux.ep (expert-parallel dispatch and combine), on the calling
   // thread: the first send_bytes[0] bytes of `send` (a contiguous 1-D uint8 tensor, host or device)
-  // go to rank 0, the next send_bytes[1] to rank 1, and so on; returns a new uint8 tensor like
-  // `send` holding what every rank sent to this one, in rank order, recv_bytes[p] from rank p.
-  // The caller knows recv_bytes (commux.ep exchanges fixed-size headers first, by this same call).
-  // Zero-byte parts are not sent. The messages travel on an internal tag drawn from the group's
-  // collective sequence, so every rank must call it in the same order relative to the group's
-  // collectives. Errors name `op`, the peer and the sizes; on any failure nothing stays posted into
-  // the caller's memory. `timeout` 0 means the group's timeout.
-  at::Tensor exchange_bytes(const std::string& op, const at::Tensor& send,
-                            const std::vector<std::int64_t>& send_bytes,
-                            const std::vector<std::int64_t>& recv_bytes,
-                            std::chrono::milliseconds timeout);
+  // go to rank 0, the next send_bytes[1] to rank 1, and so on; what rank p sends this rank lands
+  // in `recv` at recv_offsets[p], in a slot of recv_capacity[p] bytes. Returns the bytes received
+  // from each rank, -1 for a message longer than its slot (not an error here: commux.ep reports
+  // what it means). Every request is waited for, even after another failed. Zero-byte sends
+  // are not sent and zero-byte slots not posted. The messages travel on an internal tag drawn
+  // from the group's collective sequence, so every rank must call it in the same order relative
+  // to the group's collectives. On any failure nothing stays posted into the caller's memory.
+  // `timeout` 0 means the group's timeout.
+  std::vector<std::int64_t> exchange_bytes(const std::string& op, const at::Tensor& send,
+                                           const std::vector<std::int64_t>& send_bytes,
+                                           const at::Tensor& recv,
+                                           const std::vector<std::int64_t>& recv_offsets,
+                                           const std::vector<std::int64_t>& recv_capacity,
+                                           std::chrono::milliseconds timeout);
 
   // Cancels what is still in flight (its Works fail with "shut down"), stops the worker thread and
   // closes the endpoints; bounded by COMMUX_SHUTDOWN_TIMEOUT_MS. Idempotent; the destructor calls it.

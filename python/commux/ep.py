@@ -10,15 +10,18 @@ Code written for DeepEP (or UCCL-EP, which copies its API) moves over by changin
         topk_idx=topk_idx, topk_weights=topk_weights)
     y, y_w, _ = buf.combine(expert_out, handle, topk_weights=recv_w)
 
-How it travels. On a group whose backend is commux ("ucx"/"commux"), every call is one sparse
-all-to-all on the calling thread (``ProcessGroupUCX.exchange_bytes``): first a fixed-size header to
-every rank (what this rank is calling, its sizes, how many bytes it sends that rank, or why it
-rejected the call), then one message per destination that carries all of that destination's rows
-with their metadata (source row, expert ids, weights, fp8 scales), packed row by row. The messages
-use internal tags drawn from the group's collective sequence, so they can never match the user's
-own point-to-point traffic, a collective, or another Buffer's exchange. On any other backend
-(gloo) the same two steps run over ``all_to_all_single`` with uneven splits, so the two can be
-compared on one API.
+How it travels. Every call is one sparse all-to-all: to each rank, one message holding a
+fixed-size header (which call this is, its sizes, how many rows follow, or why this rank rejected
+the call) followed by all of that rank's rows, each row packed with its metadata (source row,
+expert ids, weights, fp8 scales). Receives land in a buffer the Buffer keeps, one slot per source
+sized for the most a source may send (``max_tokens_per_rank`` rows in normal mode,
+``num_max_dispatch_tokens_per_rank`` x top-k in low-latency mode, exact sizes in combine). On a
+group whose backend is commux ("ucx"/"commux") that is ``ProcessGroupUCX._exchange_bytes``, on
+the calling thread, with an internal tag drawn from the group's collective sequence: it can never
+match the user's own point-to-point traffic, a collective, or another Buffer's call. On any other
+backend (gloo) the same message goes through ``all_to_all_single`` (sizes first, then bytes), so
+the two can be compared on one API. Packing and unpacking are C++ loops on CPU tensors and ATen
+operations on device tensors (``src/c10d/ep_kernels.cpp``).
 
 Errors. Every rank validates its own call and sends the verdict in its header, so bad input on one
 rank fails the call on every rank, promptly, never a hang: the rank with the bad input raises
@@ -41,11 +44,14 @@ data has arrived when the call returns).
 from __future__ import annotations
 
 import itertools
+import struct
 import threading
 from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+
+from . import _C
 
 __all__ = ["Buffer", "EventOverlap", "Config"]
 
@@ -63,7 +69,7 @@ _DTYPES = {0: "none", 1: "bfloat16", 2: "float8_e4m3fn with float32 scales"}
 _MUST_AGREE = [(_H_KIND, "call"), (_H_BUFFER, "Buffer"), (_H_CALL, "call number on the Buffer"),
                (_H_HIDDEN, "hidden size"), (_H_DTYPE, "dtype"), (_H_TOPK, "top-k"),
                (_H_EXPERTS, "number of experts"), (_H_STRIDE, "row layout"),
-               (_H_CAP, "num_max_dispatch_tokens_per_rank"),
+               (_H_CAP, "capacity (max_tokens_per_rank / num_max_dispatch_tokens_per_rank)"),
                (_H_LAYOUT, "handle (the dispatch call it comes from)")]
 
 _FP8_BLOCK = 128
@@ -127,20 +133,12 @@ class _Layout:
             o = _pad(o + nbytes, 4)
         self.stride = _pad(max(o, 4), 16)
 
-    def pack(self, rows: int, parts: dict, like: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((rows, self.stride), dtype=torch.uint8, device=like.device)
-        for name, t in parts.items():
-            o, n = self.offsets[name]
-            if n:
-                t = t.reshape(rows, n // t.element_size())
-                if t.numel() and t.stride(-1) != 1:  # (a size-1 dim counts as contiguous anyway)
-                    t = t.clone(memory_format=torch.contiguous_format)
-                out[:, o:o + n] = t.contiguous().view(torch.uint8)
-        return out
+    def offset(self, name):
+        return self.offsets[name][0]
 
-    def field(self, rows: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
-        o, n = self.offsets[name]
-        return rows[:, o:o + n].contiguous().view(dtype)
+
+_HDR_BYTES = _H_LEN * 8
+_HEADER = struct.Struct(f"<{_H_TEXT}q")
 
 
 class _Ucx:
@@ -149,21 +147,33 @@ class _Ucx:
     def __init__(self, pg):
         self.pg = pg
 
-    def exchange(self, op, send, send_bytes, recv_bytes, timeout_ms):
-        return self.pg._exchange_bytes(op, send, send_bytes, recv_bytes, timeout_ms)
+    def exchange(self, op, send, send_bytes, recv, offsets, capacity, timeout_ms):
+        return self.pg._exchange_bytes(op, send, send_bytes, recv, offsets, capacity, timeout_ms)
 
 
 class _AllToAll:
-    """Any other backend: the same exchange as one all_to_all_single with uneven splits."""
+    """Any other backend: the sizes, then the bytes, each with one all_to_all_single."""
 
     def __init__(self, group):
         self.group = group
 
-    def exchange(self, op, send, send_bytes, recv_bytes, timeout_ms):
-        out = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=send.device)
-        dist.all_to_all_single(out, send, output_split_sizes=recv_bytes,
-                               input_split_sizes=send_bytes, group=self.group)
-        return out
+    def exchange(self, op, send, send_bytes, recv, offsets, capacity, timeout_ms):
+        R = len(send_bytes)
+        sizes = torch.empty(R, dtype=torch.int64)
+        dist.all_to_all_single(sizes, torch.tensor(send_bytes, dtype=torch.int64), group=self.group)
+        got = sizes.tolist()
+        tmp = torch.empty(sum(got), dtype=torch.uint8, device=send.device)
+        dist.all_to_all_single(tmp, send, output_split_sizes=got, input_split_sizes=list(send_bytes),
+                               group=self.group)
+        pos = 0
+        for p in range(R):
+            n = got[p]
+            if n <= capacity[p]:
+                recv[offsets[p]:offsets[p] + n].copy_(tmp[pos:pos + n])
+            else:
+                got[p] = -1  # longer than its slot, as the commux path reports it
+            pos += n
+        return got
 
 
 _ids_lock = threading.Lock()
@@ -187,12 +197,140 @@ def _quantize_fp8(x: torch.Tensor, round_scale: bool):
     return q, scale.contiguous()
 
 
+class _Call:
+    """One call's message: the header fields, the rows for each rank and how to pack them."""
+
+    def __init__(self, buf: "Buffer", op: str, kind: int):
+        self.buf, self.op = buf, op
+        self.number = buf._next_call()
+        self.hdr = [0] * _H_TEXT
+        self.hdr[_H_MAGIC], self.hdr[_H_KIND] = _MAGIC, kind
+        self.hdr[_H_BUFFER], self.hdr[_H_CALL], self.hdr[_H_LAYOUT] = buf._id, self.number, -1
+        self.device = torch.device("cpu")
+        self.send = None
+
+    def pack(self, counts, layout, parts, index=None, row_parts=(), sizes_known=False):
+        """The message for every rank: its rows (fields named by layout), with the header in
+        front when the receivers know the sizes (combine: one step), else sent first on its own
+        (dispatch: the header tells each rank how many rows follow)."""
+        self.counts, self.layout, self.inline = counts, layout, sizes_known
+        self.hdr[_H_STRIDE] = layout.stride
+        names = [n for n in parts if layout.offsets[n][1]]
+        rnames = [n for n, _ in row_parts if layout.offsets[n][1]]
+        rows = dict(row_parts)
+        heads = self._headers(counts, layout.stride)
+        self.heads = None if sizes_known else heads.view(-1)
+        self.send = _C._ep_pack(heads if sizes_known else heads[:, :0], [parts[n] for n in names],
+                                [layout.offset(n) for n in names], index, [rows[n] for n in rnames],
+                                [layout.offset(n) for n in rnames], counts, layout.stride)
+
+    def _headers(self, counts, stride, reason=b""):
+        one = _HEADER.pack(*self.hdr)
+        text = reason[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
+        out = bytearray()
+        for c in counts:
+            h = list(self.hdr)
+            h[_H_ROWS], h[_H_BYTES] = c, c * stride
+            out += _HEADER.pack(*h) if c else one
+            out += text
+        return torch.frombuffer(out, dtype=torch.uint8).view(len(counts), _HDR_BYTES)
+
+    def reject(self, e: BaseException):
+        """Tells every rank that this call failed here before anything was sent (so none waits
+        for it), then raises: ValueError for bad input, the exception itself for anything else."""
+        buf, R = self.buf, self.buf.group_size
+        self.hdr[_H_STATUS] = 1
+        reason = str(e) if isinstance(e, _Rejected) else f"{type(e).__name__}: {e}"
+        try:
+            heads = self._headers([0] * R, 0, reason.encode()).view(-1).to(self.device)
+            # The slots are only a header long: a rank that sends rows to this one (combine) is
+            # cut short (reported as -1 here, and ignored), never left waiting.
+            recv = torch.empty(R * _HDR_BYTES, dtype=torch.uint8, device=self.device)
+            buf._transport.exchange(self.op, heads, [_HDR_BYTES] * R, recv,
+                                    [p * _HDR_BYTES for p in range(R)], [_HDR_BYTES] * R, buf._timeout_ms)
+        except Exception:  # noqa: BLE001  (this rank's own reason is the error to report)
+            pass
+        if not isinstance(e, _Rejected):
+            raise e
+        raise ValueError(f"commux {self.op} (rank {buf.rank} of {R}): {e}") from None
+
+    def _send(self, send, send_bytes, caps, device):
+        buf = self.buf
+        offsets = list(itertools.accumulate([0] + caps[:-1]))
+        recv = buf._recv_buffer(offsets[-1] + caps[-1], device)
+        try:
+            got = buf._transport.exchange(self.op, send, send_bytes, recv, offsets, caps, buf._timeout_ms)
+        except BaseException:
+            buf._recv_buffers.pop(device, None)  # it may still be written: never reuse it
+            raise
+        return recv, offsets, got
+
+    def exchange(self, slot_rows=None):
+        """Sends the packed messages and checks every rank's header. With the sizes known
+        (slot_rows[p]: the rows rank p sends here) it is one step, the headers in front of the
+        rows; otherwise the headers go first and the rows follow with their sizes known. Returns
+        (recv, offsets, rows per rank, header bytes in front of each slot)."""
+        R = self.buf.group_size
+        stride = self.layout.stride
+        if self.inline:
+            caps = [_HDR_BYTES + r * stride for r in slot_rows]
+            recv, offsets, got = self._send(self.send, [_HDR_BYTES + c * stride for c in self.counts],
+                                            caps, self.device)
+            rows = self._check(recv, offsets, got, caps)
+            return recv, offsets, rows, _HDR_BYTES
+        hb = [_HDR_BYTES] * R
+        heads = self.heads if self.device.type == "cpu" else self.heads.to(self.device)
+        recv, offsets, got = self._send(heads, hb, hb, torch.device("cpu") if self.device.type == "cpu"
+                                        else self.device)
+        rows = self._check(recv, offsets, got, hb)
+        recv, offsets, _ = self._send(self.send, [c * stride for c in self.counts],
+                                      [r * stride for r in rows], self.device)
+        return recv, offsets, rows, 0
+
+    def _check(self, recv, offsets, got, caps):
+        """Every rank's header: rejected calls, cut-short messages, another call, disagreements."""
+        R, me, stride = self.buf.group_size, self.buf.rank, self.layout.stride
+        heads = _C._ep_headers(recv, offsets, [max(g, 0) for g in got], _HDR_BYTES)
+        peers = heads[:, :_H_TEXT].tolist()
+        who = f"commux {self.op} (rank {me} of {R})"
+        for p, row in enumerate(peers):
+            if p != me and got[p] >= 0 and row[_H_STATUS] and row[_H_MAGIC] == _MAGIC:
+                why = heads[p, _H_TEXT:].numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+                raise _backend_error(f"{who}: rank {p} rejected its {_KINDS.get(row[_H_KIND], 'call')}: {why}")
+        for p, row in enumerate(peers):
+            if got[p] < 0:
+                raise ValueError(f"{who}: rank {p} sent more than the {caps[p]} bytes this rank "
+                                 "expects from it: the ranks differ in hidden size, dtype or top-k, "
+                                 "or do not make the same call")
+            if row[_H_MAGIC] != _MAGIC:
+                raise _backend_error(f"{who}: rank {p}'s message is not an ep call's: does every rank "
+                                     "make the same calls on the group in the same order?")
+        for p, row in enumerate(peers):
+            for field, words in _MUST_AGREE:
+                if row[field] != self.hdr[field]:
+                    mine, theirs = self.hdr[field], row[field]
+                    names = _KINDS if field == _H_KIND else _DTYPES if field == _H_DTYPE else {}
+                    raise ValueError(f"{who}: the {words} differs across ranks: this rank has "
+                                     f"{names.get(mine, mine)}, rank {p} has {names.get(theirs, theirs)}")
+            if self.inline and got[p] != _HDR_BYTES + row[_H_ROWS] * stride:
+                raise _backend_error(f"{who}: rank {p} sent {got[p]} bytes for {row[_H_ROWS]} rows")
+        return [row[_H_ROWS] for row in peers]
+
+    def fields(self, received, names):
+        """The named fields of the received rows, as [N, bytes] uint8 tensors."""
+        recv, offsets, rows, hb = received
+        lay = self.layout
+        return _C._ep_unpack(recv, offsets, rows, hb, lay.stride,
+                             [lay.offset(n) for n in names], [lay.offsets[n][1] for n in names])
+
+
 class Buffer:
     """DeepEP's legacy ``Buffer`` over commux (see the module docstring).
 
-    ``max_tokens_per_rank`` (a commux addition) is how many tokens one rank may dispatch in one
-    normal-mode call; a call with more fails on every rank. ``timeout`` (seconds; a commux
-    addition) bounds each call; the default is the group's timeout.
+    ``max_tokens_per_rank`` (a commux addition; every rank must pass the same) is how many tokens
+    one rank may dispatch in one normal-mode call; a call with more fails on every rank. It sizes
+    the receive slots (memory is touched only as far as rows arrive). ``timeout`` (seconds; a
+    commux addition) bounds each call; the default is the group's timeout.
     """
 
     num_sms: int = 20
@@ -229,6 +367,7 @@ class Buffer:
             self._id = _next_ids.get(self.group, 0)
             _next_ids[self.group] = self._id + 1
         self._calls = itertools.count()
+        self._recv_buffers: dict = {}
         self._destroyed = False
 
     # --- DeepEP's static helpers --------------------------------------------------------------
@@ -255,28 +394,30 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        return 0  # commux allocates per call
+        return 0  # commux sizes its receive slots itself
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Nothing to clean: every low-latency call writes fresh tensors."""
 
     def destroy(self) -> None:
-        """Releases the Buffer; later calls on it fail (on every rank)."""
+        """Releases the Buffer's memory; later calls on it fail (on every rank)."""
         self._destroyed = True
+        self._recv_buffers.clear()
 
     # --- layout (local: no communication) ------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """num_tokens_per_rank [R] int32, None (one node), num_tokens_per_expert [E] int32,
         is_token_in_rank [T, R] bool, event."""
-        try:
-            idx = self._check_topk(topk_idx, num_experts)
-        except _Rejected as e:
-            raise ValueError(f"commux ep get_dispatch_layout: {e}") from None
-        in_rank = self._in_rank(idx, num_experts)
-        per_expert = torch.bincount(idx[idx >= 0], minlength=num_experts).to(torch.int32)
-        return in_rank.sum(0, dtype=torch.int32), None, per_expert, in_rank, self._event(idx)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+            raise ValueError(f"commux ep get_dispatch_layout: num_experts={num_experts!r} must be an int")
+        err, counts, _, _, _, in_rank, per_expert = _C._ep_route(topk_idx, num_experts, self.group_size, False)
+        if err:
+            raise ValueError(f"commux ep get_dispatch_layout: {err}")
+        dev = topk_idx.device
+        return (torch.tensor(counts, dtype=torch.int32, device=dev), None, per_expert.to(dev),
+                in_rank.to(dev), self._event(topk_idx))
 
     # --- normal mode -----------------------------------------------------------------------------
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
@@ -292,15 +433,15 @@ class Buffer:
         tensor, or (fp8, scales) for fp8 input), recv_topk_idx (local expert ids, -1 elsewhere),
         recv_topk_weights (0 where the id is -1), num_recv_tokens_per_expert_list, handle, event.
         With a cached ``handle`` (no top-k arguments) only recv_x comes back (the rest None)."""
-        op = "ep dispatch"
         R, me = self.group_size, self.rank
-        call = self._call()
-        hdr = self._header(1, call)
+        c = _Call(self, "ep dispatch", 1)
+        hdr = c.hdr
         try:
             self._check_live()
             xv, scales = self._check_x(x)
             T, H = xv.shape
-            hdr[_H_HIDDEN], hdr[_H_TOKENS] = H, T
+            c.device = xv.device
+            hdr[_H_HIDDEN], hdr[_H_TOKENS], hdr[_H_CAP] = H, T, self.max_tokens_per_rank
             hdr[_H_DTYPE] = 2 if scales is not None else 1
             if T > self.max_tokens_per_rank:
                 raise _Rejected(f"{T} tokens, but the Buffer was sized for max_tokens_per_rank="
@@ -314,8 +455,7 @@ class Buffer:
                 h = self._check_handle(handle, "normal")
                 if T != h._tokens:
                     raise _Rejected(f"x has {T} tokens, the handle's dispatch had {h._tokens}")
-                k, E, weights = h._topk, h._experts, False
-                order, counts = h._order, h._send_counts
+                k, E, weights, order, counts = h._topk, h._experts, False, h._order, h._send_counts
                 hdr[_H_LAYOUT] = h._call
             else:
                 if topk_idx is None:
@@ -325,68 +465,71 @@ class Buffer:
                         raise _Rejected("needs num_tokens_per_expert (get_dispatch_layout's third "
                                         "result; it gives the number of experts) or num_experts=")
                     num_experts = int(num_tokens_per_expert.numel())
-                idx = self._check_topk(topk_idx, num_experts, tokens=T)
-                k, E = idx.shape[1], num_experts
+                E = num_experts
+                if isinstance(E, bool) or not isinstance(E, int):
+                    raise _Rejected(f"num_experts={E!r} must be an int")
+                self._check_topk_shape(topk_idx, xv)
+                err, counts, order, _, _, in_rank, per_expert = _C._ep_route(topk_idx, E, R, False)
+                if err:
+                    raise _Rejected(err)
+                k = topk_idx.shape[1]
                 weights = topk_weights is not None
                 if weights:
                     self._check_2d(topk_weights, T, k, (torch.float32,), "topk_weights")
-                in_rank = self._in_rank(idx, E)
-                self._check_given_layout(idx, in_rank, E, is_token_in_rank, num_tokens_per_rank,
-                                         num_tokens_per_expert)
-                order = in_rank.t().nonzero()[:, 1]  # tokens by destination rank, then token
-                counts = in_rank.sum(0).tolist()
-                hdr[_H_LAYOUT] = call
-            layout = self._row_layout(H, scales is not None, 0 if handle is not None else k, weights)
-            hdr[_H_TOPK], hdr[_H_EXPERTS], hdr[_H_STRIDE] = k, E, layout.stride
+                self._check_given_layout(in_rank, per_expert, counts, is_token_in_rank,
+                                         num_tokens_per_rank, num_tokens_per_expert)
+                hdr[_H_LAYOUT] = c.number
+            hdr[_H_TOPK], hdr[_H_EXPERTS] = k, E
+            cached = handle is not None
+            layout = self._row_layout(H, scales is not None, 0 if cached else k, weights)
             parts = {"x": xv}
             if scales is not None:
                 parts["scales"] = scales
-            if handle is None:
-                parts["idx"] = idx.to(torch.int32)
+            if not cached:
+                parts["idx"] = topk_idx.to(torch.int32)
                 if weights:
                     parts["w"] = topk_weights
-                parts["src"] = torch.arange(T, dtype=torch.int32, device=xv.device)
-            rows = layout.pack(T, parts, xv).index_select(0, order)
+            c.pack(counts, layout, parts, order, () if cached else (("src", order.to(torch.int32)),))
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
-            self._reject(op, hdr, e)
-        peers = self._exchange_headers(op, hdr, counts, layout.stride)
-        recv_counts = [p[_H_ROWS] for p in peers]
+            c.reject(e)
+        got = c.exchange()
+        recv_counts = got[2]
         N = sum(recv_counts)
-        rrows = self._exchange_rows(op, layout, rows, counts, recv_counts)
-        # What only this rank can see fails here, after the exchange, so no peer is left waiting.
-        if handle is not None and recv_counts != handle._recv_counts:
-            raise _backend_error(f"commux {op} (rank {me} of {R}): the cached handle expects "
+        names = ["x"] + (["scales"] if scales is not None else []) + ([] if cached else ["idx", "src"]) + (
+            ["w"] if weights and not cached else [])
+        f = dict(zip(names, c.fields(got, names)))
+        # What only this rank can see fails here, after the exchange, so no rank is left waiting.
+        if cached and recv_counts != handle._recv_counts:
+            raise _backend_error(f"commux ep dispatch (rank {me} of {R}): the cached handle expects "
                                  f"{handle._recv_counts} rows from the ranks, they sent {recv_counts}")
         if num_worst_tokens and N > num_worst_tokens:
-            raise ValueError(f"commux {op} (rank {me} of {R}): {N} rows arrived, more than "
+            raise ValueError(f"commux ep dispatch (rank {me} of {R}): {N} rows arrived, more than "
                              f"num_worst_tokens={num_worst_tokens}")
-        recv_x = layout.field(rrows, "x", xv.dtype)
+        recv_x = f["x"].view(xv.dtype)
         if scales is not None:
-            recv_x = (recv_x, layout.field(rrows, "scales", torch.float32))
+            recv_x = (recv_x, f["scales"].view(torch.float32))
         if num_worst_tokens:
             recv_x = self._pad_rows(recv_x, num_worst_tokens)
-        if handle is not None:
+        if cached:
             return recv_x, None, None, None, None, self._event(xv)
 
         epr = E // R
-        gid = layout.field(rrows, "idx", torch.int32).to(torch.int64)
-        local = torch.where((gid >= me * epr) & (gid < (me + 1) * epr), gid - me * epr,
-                            torch.full_like(gid, -1))
-        recv_w = None
-        if weights:
-            recv_w = layout.field(rrows, "w", torch.float32).masked_fill(local < 0, 0.0)
-        src_idx = layout.field(rrows, "src", torch.int32).view(-1)
+        gid = f["idx"].view(torch.int32)
+        mine = (gid >= me * epr) & (gid < (me + 1) * epr)
+        local = torch.where(mine, gid - me * epr, -1).to(torch.int64)
+        recv_w = f["w"].view(torch.float32).masked_fill_(~mine, 0.0) if weights else None
+        src_idx = f["src"].view(torch.int32).view(-1)
         if num_worst_tokens:
             per_expert_list = []  # as DeepEP: no counts (no host sync) with num_worst_tokens
             local = self._pad_rows(local, num_worst_tokens, fill=-1)
             if recv_w is not None:
                 recv_w = self._pad_rows(recv_w, num_worst_tokens)
         else:
-            per_expert = torch.bincount(local[local >= 0], minlength=epr).tolist()
-            per_expert_list = [_pad(c, expert_alignment) for c in per_expert]
+            per_expert = torch.bincount(local.view(-1) + 1, minlength=epr + 1)[1:].tolist()
+            per_expert_list = [_pad(n, expert_alignment) for n in per_expert]
         prefix = torch.tensor(list(itertools.accumulate(recv_counts)), dtype=torch.int32)
         new = _Handle((prefix, None, None, src_idx, in_rank, None), _buffer=self._id, _mode="normal",
-                      _call=call, _order=order, _send_counts=counts, _recv_counts=recv_counts,
+                      _call=c.number, _order=order, _send_counts=counts, _recv_counts=recv_counts,
                       _tokens=T, _topk=k, _experts=E)
         return recv_x, local, recv_w, per_expert_list, new, self._event(xv)
 
@@ -396,8 +539,8 @@ class Buffer:
         """Sends every received row's result back to its source and sums, per original token, over
         the ranks it went to (no weights), in float32 with one cast. Returns combined_x [T, H],
         combined_topk_weights (the sum of the ranks' topk_weights, or None) and the event."""
-        op = "ep combine"
-        hdr = self._header(2, self._call())
+        c = _Call(self, "ep combine", 2)
+        hdr = c.hdr
         try:
             self._check_live()
             if bias is not None:
@@ -406,26 +549,28 @@ class Buffer:
             hdr[_H_LAYOUT] = h._call
             N = sum(h._recv_counts)
             self._check_2d(x, N, None, (torch.bfloat16,), "x")
+            c.device = x.device
             H = x.shape[1]
             if topk_weights is not None:
                 self._check_2d(topk_weights, N, h._topk, (torch.float32,), "topk_weights")
             layout = _Layout([("x", 2 * H), ("w", 4 * h._topk if topk_weights is not None else 0)])
             hdr[_H_HIDDEN], hdr[_H_DTYPE], hdr[_H_TOPK], hdr[_H_EXPERTS] = H, 1, h._topk, h._experts
-            hdr[_H_STRIDE], hdr[_H_TOKENS] = layout.stride, N
+            hdr[_H_TOKENS] = N
             parts = {"x": x}
             if topk_weights is not None:
                 parts["w"] = topk_weights
-            rows = layout.pack(N, parts, x)
+            c.pack(h._recv_counts, layout, parts, sizes_known=True)
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
-            self._reject(op, hdr, e)
-        self._exchange_headers(op, hdr, h._recv_counts, layout.stride)
-        back = self._exchange_rows(op, layout, rows, h._recv_counts, h._send_counts)
+            c.reject(e)
+        names = ["x"] + (["w"] if topk_weights is not None else [])
+        f = dict(zip(names, c.fields(c.exchange(h._send_counts), names)))
         acc = torch.zeros((h._tokens, H), dtype=torch.float32, device=x.device)
-        acc.index_add_(0, h._order, layout.field(back, "x", torch.bfloat16).float())
+        order = h._order if x.device.type == "cpu" else h._order.to(x.device)
+        acc.index_add_(0, order, f["x"].view(torch.bfloat16).float())
         combined_w = None
         if topk_weights is not None:
             combined_w = torch.zeros((h._tokens, h._topk), dtype=torch.float32, device=x.device)
-            combined_w.index_add_(0, h._order, layout.field(back, "w", torch.float32))
+            combined_w.index_add_(0, order, f["w"].view(torch.float32))
         return acc.to(torch.bfloat16), combined_w, self._event(x)
 
     # --- low-latency mode ------------------------------------------------------------------------
@@ -440,12 +585,11 @@ class Buffer:
         recv_x (bf16, or (fp8, scales) with use_fp8), recv_count [E/R] int32, handle, event, hook.
         handle[0] (src_info, [E/R, cap*R] int32) holds each row's source token (-1 where none),
         handle[1] (layout_range, [E/R, R] int64) (begin << 32) | count per (expert, source rank)."""
-        op = "ep low_latency_dispatch"
         R, me = self.group_size, self.rank
         cap = num_max_dispatch_tokens_per_rank
-        call = self._call()
-        hdr = self._header(3, call)
-        hdr[_H_CAP], hdr[_H_LAYOUT] = cap, call
+        c = _Call(self, "ep low_latency_dispatch", 3)
+        hdr = c.hdr
+        hdr[_H_CAP], hdr[_H_LAYOUT] = cap, c.number
         try:
             self._check_live()
             if not self.low_latency_mode:
@@ -453,41 +597,41 @@ class Buffer:
             if use_ue8m0:
                 raise _Rejected("use_ue8m0=True (packed UE8M0 scales) is not supported")
             self._check_2d(x, None, None, (torch.bfloat16,), "x")
+            c.device = x.device
             T, H = x.shape
             if cap < 0 or T > cap:
                 raise _Rejected(f"{T} tokens, more than num_max_dispatch_tokens_per_rank={cap}")
             if use_fp8 and H % _FP8_BLOCK:
                 raise _Rejected(f"use_fp8 needs a hidden size that is a multiple of {_FP8_BLOCK}, got {H}")
-            idx = self._check_topk(topk_idx, num_experts, tokens=T)
-            k, E = idx.shape[1], num_experts
+            if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+                raise _Rejected(f"num_experts={num_experts!r} must be an int")
+            self._check_topk_shape(topk_idx, x)
+            E = num_experts
+            err, counts, tok, slot, expert, _, _ = _C._ep_route(topk_idx, E, R, True)
+            if err:
+                raise _Rejected(err)
+            k = topk_idx.shape[1]
             layout = _Layout([("x", H if use_fp8 else 2 * H),
                               ("scales", 4 * (H // _FP8_BLOCK) if use_fp8 else 0),
                               ("src", 4), ("expert", 4)])
             hdr[_H_HIDDEN], hdr[_H_TOKENS], hdr[_H_DTYPE] = H, T, 2 if use_fp8 else 1
-            hdr[_H_TOPK], hdr[_H_EXPERTS], hdr[_H_STRIDE] = k, E, layout.stride
-            epr = E // R
-            sel = (idx >= 0).nonzero()  # (token, slot), by token then slot
-            expert = idx[sel[:, 0], sel[:, 1]]
-            by_dest = torch.argsort(expert // epr, stable=True)
-            sel, expert = sel[by_dest], expert[by_dest]  # by destination rank, then token, then slot
-            counts = torch.bincount(expert // epr, minlength=R).tolist()
-            tok = sel[:, 0]
+            hdr[_H_TOPK], hdr[_H_EXPERTS] = k, E
             if use_fp8:
                 q, s = _quantize_fp8(x, round_scale)
-                parts = {"x": q[tok], "scales": s[tok]}
+                parts = {"x": q, "scales": s}
             else:
-                parts = {"x": x[tok]}
-            parts["src"] = tok.to(torch.int32)
-            parts["expert"] = expert.to(torch.int32)
-            rows = layout.pack(tok.numel(), parts, x)
+                parts = {"x": x}
+            c.pack(counts, layout, parts, tok, (("src", tok.to(torch.int32)), ("expert", expert)))
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
-            self._reject(op, hdr, e)
-        peers = self._exchange_headers(op, hdr, counts, layout.stride)
-        recv_counts = [p[_H_ROWS] for p in peers]
-        N = sum(recv_counts)
-        rrows = self._exchange_rows(op, layout, rows, counts, recv_counts)
+            c.reject(e)
+        epr = E // R
+        got = c.exchange()
+        recv_counts = got[2]
+        names = ["x"] + (["scales"] if use_fp8 else []) + ["src", "expert"]
+        f = dict(zip(names, c.fields(got, names)))
         dev = x.device
-        e_local = layout.field(rrows, "expert", torch.int32).view(-1).to(torch.int64) - me * epr
+        N = sum(recv_counts)
+        e_local = f["expert"].view(torch.int32).view(-1).to(torch.int64) - me * epr
         src_rank = torch.repeat_interleave(torch.arange(R, device=dev),
                                            torch.tensor(recv_counts, device=dev))
         # Each expert's rows from the start, in arrival order (by source rank, then token).
@@ -497,21 +641,22 @@ class Buffer:
         pos[by_e] = torch.arange(N, device=dev) - (torch.cumsum(recv_count, 0) - recv_count)[e_local[by_e]]
         dt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         recv_x = torch.empty((epr, cap * R, H), dtype=dt, device=dev)
-        recv_x[e_local, pos] = layout.field(rrows, "x", dt)
+        recv_x[e_local, pos] = f["x"].view(dt)
         if use_fp8:
             recv_s = torch.empty((epr, cap * R, H // _FP8_BLOCK), dtype=torch.float32, device=dev)
-            recv_s[e_local, pos] = layout.field(rrows, "scales", torch.float32)
+            recv_s[e_local, pos] = f["scales"].view(torch.float32)
             recv_x = (recv_x, recv_s)
         src_info = torch.full((epr, cap * R), -1, dtype=torch.int32, device=dev)
-        src_info[e_local, pos] = layout.field(rrows, "src", torch.int32).view(-1)
+        src_info[e_local, pos] = f["src"].view(torch.int32).view(-1)
         per = torch.zeros((epr, R), dtype=torch.int64, device=dev)
         per.index_put_((e_local, src_rank), torch.ones_like(e_local), accumulate=True)
         layout_range = ((torch.cumsum(per, 1) - per) << 32) | per
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
         handle = _Handle((src_info, layout_range, cap, H, E), _buffer=self._id, _mode="low_latency",
-                         _call=call, _sel=sel, _send_counts=counts, _recv_counts=recv_counts,
-                         _tokens=T, _topk=k, _experts=E, _e_local=e_local, _pos=pos)
+                         _call=c.number, _tok=tok, _slot=slot, _send_counts=counts,
+                         _recv_counts=recv_counts, _tokens=T, _topk=k, _experts=E,
+                         _gather=(e_local * (cap * R) + pos).cpu())
         hook = (lambda: None) if return_recv_hook else None
         return recv_x, recv_count.to(torch.int32), handle, self._event(x), hook
 
@@ -522,9 +667,9 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
         """Sends every expert's row back to its source, which sums them weighted by topk_weights
         (float32, one cast). Returns combined_x [T, H] bf16, event, hook."""
-        op = "ep low_latency_combine"
         R = self.group_size
-        hdr = self._header(4, self._call())
+        c = _Call(self, "ep low_latency_combine", 4)
+        hdr = c.hdr
         try:
             self._check_live()
             if use_logfmt:
@@ -533,6 +678,7 @@ class Buffer:
             E, cap = h._experts, handle[2]
             hdr[_H_CAP], hdr[_H_LAYOUT] = cap, h._call
             self._check_3d(x, (E // R, cap * R), "x")
+            c.device = x.device
             H = x.shape[2]
             self._check_2d(topk_idx, h._tokens, h._topk, None, "topk_idx")
             self._check_2d(topk_weights, h._tokens, h._topk, (torch.float32,), "topk_weights")
@@ -540,16 +686,17 @@ class Buffer:
                 self._check_2d(out, h._tokens, H, (torch.bfloat16,), "out")
             layout = _Layout([("x", 2 * H)])
             hdr[_H_HIDDEN], hdr[_H_DTYPE], hdr[_H_TOPK], hdr[_H_EXPERTS] = H, 1, h._topk, E
-            hdr[_H_STRIDE], hdr[_H_TOKENS] = layout.stride, h._tokens
-            rows = layout.pack(h._e_local.numel(), {"x": x[h._e_local, h._pos]}, x)
+            hdr[_H_TOKENS] = h._tokens
+            c.pack(h._recv_counts, layout, {"x": x.reshape(-1, H)}, h._gather, sizes_known=True)
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
-            self._reject(op, hdr, e)
-        self._exchange_headers(op, hdr, h._recv_counts, layout.stride)
-        back = self._exchange_rows(op, layout, rows, h._recv_counts, h._send_counts)
-        sel = h._sel
-        w = topk_weights[sel[:, 0], sel[:, 1]].unsqueeze(1)
-        acc = torch.zeros((h._tokens, H), dtype=torch.float32, device=x.device)
-        acc.index_add_(0, sel[:, 0], layout.field(back, "x", torch.bfloat16).float() * w)
+            c.reject(e)
+        (back,) = c.fields(c.exchange(h._send_counts), ["x"])
+        dev = x.device
+        tok = h._tok if dev.type == "cpu" else h._tok.to(dev)
+        slot = h._slot if dev.type == "cpu" else h._slot.to(dev)
+        w = topk_weights[tok, slot].unsqueeze(1)
+        acc = torch.zeros((h._tokens, H), dtype=torch.float32, device=dev)
+        acc.index_add_(0, tok, back.view(torch.bfloat16).float() * w)
         combined = acc.to(torch.bfloat16)
         if out is not None:
             combined = out.copy_(combined)
@@ -564,75 +711,16 @@ class Buffer:
                            dtype=torch.bfloat16, device=handle[0].device)
 
     # --- internals ---------------------------------------------------------------------------------
-    def _call(self) -> int:
+    def _next_call(self) -> int:
         return next(self._calls)
 
-    def _header(self, kind: int, call: int) -> List[int]:
-        hdr = [0] * _H_TEXT
-        hdr[_H_MAGIC], hdr[_H_KIND], hdr[_H_BUFFER], hdr[_H_CALL] = _MAGIC, kind, self._id, call
-        hdr[_H_LAYOUT] = -1
-        return hdr
-
-    def _reject(self, op: str, hdr: List[int], e: BaseException) -> None:
-        """Tells every rank that this call failed here before anything was sent (so none waits
-        for it), then raises: ValueError for bad input, the exception itself for anything else."""
-        hdr[_H_STATUS] = 1
-        reason = str(e) if isinstance(e, _Rejected) else f"{type(e).__name__}: {e}"
-        try:
-            self._exchange_headers(op, hdr, [0] * self.group_size, 0, reason=reason)
-        except Exception:  # noqa: BLE001  (this rank's own reason is the error to report)
-            pass
-        if not isinstance(e, _Rejected):
-            raise e
-        raise ValueError(f"commux {op} (rank {self.rank} of {self.group_size}): {e}") from None
-
-    def _exchange_headers(self, op, hdr, counts, stride, reason: str = ""):
-        """Sends each rank its header row (this call, its sizes, the rows for that rank, or why
-        this rank rejected the call) and checks every rank's: its status, and that it makes the
-        same call. Returns the rows received (lists of ints), one per rank."""
-        R, me = self.group_size, self.rank
-        rows = torch.zeros((R, _H_LEN), dtype=torch.int64)
-        rows[:, :_H_TEXT] = torch.tensor(hdr, dtype=torch.int64)
-        rows[:, _H_ROWS] = torch.tensor(counts, dtype=torch.int64)
-        rows[:, _H_BYTES] = rows[:, _H_ROWS] * stride
-        if reason:
-            text = reason.encode()[:_TEXT_BYTES]
-            rows.view(torch.uint8).view(R, _H_LEN * 8)[:, _H_TEXT * 8:_H_TEXT * 8 + len(text)] = \
-                torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        nbytes = [_H_LEN * 8] * R
-        got = self._transport.exchange(op, rows.view(-1).view(torch.uint8), nbytes, nbytes,
-                                       self._timeout_ms).view(torch.int64).view(R, _H_LEN)
-        peers = got[:, :_H_TEXT].tolist()
-        if hdr[_H_STATUS]:
-            return peers
-        for p, row in enumerate(peers):
-            if p == me:
-                continue
-            if row[_H_MAGIC] != _MAGIC:
-                raise _backend_error(f"commux {op} (rank {me} of {R}): rank {p} is not in an ep call "
-                                     "(its message is not an ep header): does every rank make the "
-                                     "same calls in the same order?")
-            if row[_H_STATUS]:
-                why = bytes(got[p, _H_TEXT:].view(torch.uint8).tolist()).rstrip(b"\0")
-                raise _backend_error(f"commux {op} (rank {me} of {R}): rank {p} rejected its "
-                                     f"{_KINDS.get(row[_H_KIND], 'call')}: {why.decode(errors='replace')}")
-        for p, row in enumerate(peers):
-            for field, words in _MUST_AGREE:
-                if row[field] != hdr[field]:
-                    mine, theirs = hdr[field], row[field]
-                    names = _KINDS if field == _H_KIND else _DTYPES if field == _H_DTYPE else {}
-                    raise ValueError(f"commux {op} (rank {me} of {R}): the {words} differs across "
-                                     f"ranks: this rank has {names.get(mine, mine)}, rank {p} has "
-                                     f"{names.get(theirs, theirs)}")
-        return peers
-
-    def _exchange_rows(self, op, layout, rows, send_counts, recv_counts):
-        """The data step: rows (grouped by destination, send_counts of them each) out, and what
-        every rank sent here back as [sum(recv_counts), stride] bytes, grouped by source rank."""
-        s = layout.stride
-        got = self._transport.exchange(op, rows.view(-1), [c * s for c in send_counts],
-                                       [c * s for c in recv_counts], self._timeout_ms)
-        return got.view(-1, s)
+    def _recv_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The receive slots, kept across calls (their pages stay mapped) and grown as needed."""
+        b = self._recv_buffers.get(device)
+        if b is None or b.numel() < nbytes:
+            b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._recv_buffers[device] = b
+        return b
 
     def _check_live(self):
         if self._destroyed:
@@ -665,9 +753,9 @@ class Buffer:
                            "x[1] (scales)")
             if scales.device != xv.device:
                 raise _Rejected(f"scales are on {scales.device}, x on {xv.device}")
-            return xv.contiguous(), scales.contiguous()
+            return xv, scales
         self._check_2d(x, None, None, (torch.bfloat16,), "x")
-        return x.contiguous(), None
+        return x, None
 
     @staticmethod
     def _check_2d(t, rows, cols, dtypes, what):
@@ -688,54 +776,28 @@ class Buffer:
         if t.dtype != torch.bfloat16:
             raise _Rejected(f"{what} must be torch.bfloat16, got {t.dtype}")
 
-    def _check_topk(self, topk_idx, num_experts, tokens=None):
-        R = self.group_size
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
-            raise _Rejected(f"num_experts={num_experts!r} must be a positive int")
-        if num_experts % R:
-            raise _Rejected(f"num_experts={num_experts} is not a multiple of the group size {R}")
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise _Rejected("topk_idx must be a 2-D [tokens, k] integer tensor")
-        if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool or topk_idx.is_complex():
-            raise _Rejected(f"topk_idx must be an integer tensor, got {topk_idx.dtype}")
-        if tokens is not None and topk_idx.shape[0] != tokens:
-            raise _Rejected(f"topk_idx has {topk_idx.shape[0]} rows, x has {tokens} tokens")
-        idx = topk_idx.to(torch.int64)
-        if idx.numel():
-            bad = (idx < -1) | (idx >= num_experts)
-            if bool(bad.any()):
-                t, j = bad.nonzero()[0].tolist()
-                raise _Rejected(f"top-k id {int(idx[t, j])} of token {t} (slot {j}) is outside "
-                                f"[-1, {num_experts})")
-            if idx.shape[1] > 1:
-                s = idx.sort(dim=1).values
-                dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-                if bool(dup.any()):
-                    t = int(dup.any(1).nonzero()[0])
-                    raise _Rejected(f"token {t} names expert {int(s[t, 1:][dup[t]][0])} twice in its top-k")
-        return idx
+    @staticmethod
+    def _check_topk_shape(topk_idx, x):
+        if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2:
+            if topk_idx.shape[0] != x.shape[0]:
+                raise _Rejected(f"topk_idx has {topk_idx.shape[0]} rows, x has {x.shape[0]} tokens")
+            if topk_idx.device != x.device:
+                raise _Rejected(f"topk_idx is on {topk_idx.device}, x on {x.device}")
 
     @staticmethod
-    def _check_given_layout(idx, in_rank, E, is_token_in_rank, num_tokens_per_rank,
+    def _check_given_layout(in_rank, per_expert, counts, is_token_in_rank, num_tokens_per_rank,
                             num_tokens_per_expert):
         """A layout the caller passed (get_dispatch_layout's) must be the one topk_idx gives."""
         given = [("is_token_in_rank", is_token_in_rank, lambda: in_rank),
-                 ("num_tokens_per_rank", num_tokens_per_rank, lambda: in_rank.sum(0)),
-                 ("num_tokens_per_expert", num_tokens_per_expert,
-                  lambda: torch.bincount(idx[idx >= 0], minlength=E))]
+                 ("num_tokens_per_rank", num_tokens_per_rank, lambda: torch.tensor(counts)),
+                 ("num_tokens_per_expert", num_tokens_per_expert, lambda: per_expert)]
         for name, t, ours in given:
             if t is None:
                 continue
             want = ours()
-            if t.shape != want.shape or not torch.equal(t.to(device=want.device, dtype=want.dtype), want):
+            if not isinstance(t, torch.Tensor) or t.shape != want.shape or not torch.equal(
+                    t.to(device="cpu", dtype=want.dtype), want):
                 raise _Rejected(f"{name} does not match topk_idx (pass get_dispatch_layout's result)")
-
-    def _in_rank(self, idx, num_experts):
-        R = self.group_size
-        dest = torch.where(idx >= 0, idx // (num_experts // R), torch.full_like(idx, R))
-        m = torch.zeros((idx.shape[0], R + 1), dtype=torch.bool, device=idx.device)
-        m.scatter_(1, dest, True)
-        return m[:, :R]
 
     @staticmethod
     def _row_layout(H, fp8, k, weights):

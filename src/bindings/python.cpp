@@ -13,6 +13,7 @@
 
 #include "commux/process_group_ucx.hpp"
 #include "commux/transports.hpp"
+#include "../c10d/ep_kernels.hpp"
 
 namespace py = pybind11;
 
@@ -85,17 +86,49 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "_exchange_bytes",
           [](commux::ProcessGroupUCX& pg, const std::string& op, const at::Tensor& send,
-             const std::vector<std::int64_t>& send_bytes, const std::vector<std::int64_t>& recv_bytes,
-             std::int64_t timeout_ms) {
-            return pg.exchange_bytes(op, send, send_bytes, recv_bytes,
+             const std::vector<std::int64_t>& send_bytes, const at::Tensor& recv,
+             const std::vector<std::int64_t>& recv_offsets,
+             const std::vector<std::int64_t>& recv_capacity, std::int64_t timeout_ms) {
+            return pg.exchange_bytes(op, send, send_bytes, recv, recv_offsets, recv_capacity,
                                      std::chrono::milliseconds(timeout_ms));
           },
-          py::arg("op"), py::arg("send"), py::arg("send_bytes"), py::arg("recv_bytes"),
-          py::arg("timeout_ms") = 0, py::call_guard<py::gil_scoped_release>(),
-           "commux.ep's sparse all-to-all of byte tensors on internal tags (see process_group_ucx.hpp)")
+          py::arg("op"), py::arg("send"), py::arg("send_bytes"), py::arg("recv"),
+          py::arg("recv_offsets"), py::arg("recv_capacity"), py::arg("timeout_ms") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "commux.ep's sparse all-to-all of byte tensors on internal tags (see process_group_ucx.hpp)")
       .def_property_readonly("device_ops_calls", &commux::ProcessGroupUCX::device_ops_calls,
                              "collective calls that reduced and kept scratch on the tensors' "
                              "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)");
+
+  // commux.ep's row work (src/c10d/ep_kernels.hpp).
+  m.def(
+      "_ep_route",
+      [](const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t ranks, bool per_assignment) {
+        commux::ep::Route r;
+        {
+          py::gil_scoped_release nogil;
+          r = commux::ep::route(topk_idx, num_experts, ranks, per_assignment);
+        }
+        return py::make_tuple(r.error, r.counts, r.token, r.slot, r.expert, r.in_rank, r.per_expert);
+      },
+      py::arg("topk_idx"), py::arg("num_experts"), py::arg("ranks"), py::arg("per_assignment"));
+  m.def(
+      "_ep_pack",
+      [](const at::Tensor& headers, const std::vector<at::Tensor>& parts,
+         const std::vector<std::int64_t>& offsets, const std::optional<at::Tensor>& index,
+         const std::vector<at::Tensor>& row_parts, const std::vector<std::int64_t>& row_offsets,
+         const std::vector<std::int64_t>& counts, std::int64_t stride) {
+        return commux::ep::pack(headers, parts, offsets, index ? *index : at::Tensor(), row_parts,
+                                row_offsets, counts, stride);
+      },
+      py::arg("headers"), py::arg("parts"), py::arg("offsets"), py::arg("index"),
+      py::arg("row_parts"), py::arg("row_offsets"), py::arg("counts"), py::arg("stride"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def("_ep_headers", &commux::ep::headers, py::arg("recv"), py::arg("slot_offsets"),
+        py::arg("received"), py::arg("header_bytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("_ep_unpack", &commux::ep::unpack, py::arg("recv"), py::arg("slot_offsets"), py::arg("rows"),
+        py::arg("header_bytes"), py::arg("stride"), py::arg("offsets"), py::arg("sizes"),
+        py::call_guard<py::gil_scoped_release>());
 
   m.def("choose_transports", &choose_transports, py::arg("accelerator"), py::arg("available"),
         py::arg("user_tls") = py::none(),

@@ -47,24 +47,33 @@ std::int64_t checked_total(const std::string& op, const std::vector<std::int64_t
 
 }  // namespace
 
-at::Tensor ProcessGroupUCX::exchange_bytes(const std::string& op, const at::Tensor& send,
-                                           const std::vector<std::int64_t>& send_bytes,
-                                           const std::vector<std::int64_t>& recv_bytes,
-                                           std::chrono::milliseconds timeout) {
+std::vector<std::int64_t> ProcessGroupUCX::exchange_bytes(
+    const std::string& op, const at::Tensor& send, const std::vector<std::int64_t>& send_bytes,
+    const at::Tensor& recv, const std::vector<std::int64_t>& recv_offsets,
+    const std::vector<std::int64_t>& recv_capacity, std::chrono::milliseconds timeout) {
   const int size = getSize();
   const int me = getRank();
-  if (!send.defined() || send.scalar_type() != at::kByte || send.dim() != 1 || !send.is_contiguous()) {
-    bad(op, "the send buffer must be a contiguous 1-D uint8 tensor");
+  for (const auto* t : {&send, &recv}) {
+    if (!t->defined() || t->scalar_type() != at::kByte || t->dim() != 1 || !t->is_contiguous()) {
+      bad(op, std::string(t == &send ? "the send" : "the receive") +
+                  " buffer must be a contiguous 1-D uint8 tensor");
+    }
   }
   const std::int64_t send_total = checked_total(op, send_bytes, "send_bytes", size);
-  const std::int64_t recv_total = checked_total(op, recv_bytes, "recv_bytes", size);
+  checked_total(op, recv_capacity, "recv_capacity", size);
+  checked_total(op, recv_offsets, "recv_offsets", size);
   if (send_total != send.numel()) {
     bad(op, "send_bytes add up to " + std::to_string(send_total) + " bytes, the send buffer holds " +
                 std::to_string(send.numel()));
   }
-  if (send_bytes[me] != recv_bytes[me]) {
-    bad(op, "this rank sends itself " + std::to_string(send_bytes[me]) + " bytes but expects " +
-                std::to_string(recv_bytes[me]));
+  for (int p = 0; p < size; ++p) {
+    if (recv_offsets[p] + recv_capacity[p] > recv.numel()) {
+      bad(op, "the receive slot of rank " + std::to_string(p) + " lies outside the receive buffer");
+    }
+  }
+  if (send_bytes[me] > recv_capacity[me]) {
+    bad(op, "this rank sends itself " + std::to_string(send_bytes[me]) + " bytes, more than its " +
+                std::to_string(recv_capacity[me]) + "-byte slot");
   }
   std::uint32_t tag = 0;
   {
@@ -72,18 +81,19 @@ at::Tensor ProcessGroupUCX::exchange_bytes(const std::string& op, const at::Tens
     if (stopping_) bad(op, "the process group (" + where() + ") has been shut down");
     tag = next_tag_++;
   }
-  at::Tensor out = at::empty({recv_total}, send.options());
-  const MemoryType send_mem = on_device(send) ? memory_type_of(op.c_str(), send, "tensor") : MemoryType::kHost;
+  auto mem_of = [&](const at::Tensor& t) {
+    return on_device(t) ? memory_type_of(op.c_str(), t, "tensor") : MemoryType::kHost;
+  };
+  const MemoryType send_mem = mem_of(send), recv_mem = mem_of(recv);
   const auto limit = effective(timeout);
   const auto deadline = Clock::now() + limit;
 
-  std::vector<std::int64_t> send_off(size + 1, 0), recv_off(size + 1, 0);
-  for (int p = 0; p < size; ++p) {
-    send_off[p + 1] = send_off[p] + send_bytes[p];
-    recv_off[p + 1] = recv_off[p] + recv_bytes[p];
-  }
+  std::vector<std::int64_t> send_off(size + 1, 0);
+  for (int p = 0; p < size; ++p) send_off[p + 1] = send_off[p] + send_bytes[p];
+  std::vector<std::int64_t> received(size, 0);
+  received[me] = send_bytes[me];
   auto* sbase = static_cast<std::uint8_t*>(send.data_ptr());
-  auto* rbase = static_cast<std::uint8_t*>(out.data_ptr());
+  auto* rbase = static_cast<std::uint8_t*>(recv.data_ptr());
   struct Posted {
     Request request;
     int peer;
@@ -91,34 +101,14 @@ at::Tensor ProcessGroupUCX::exchange_bytes(const std::string& op, const at::Tens
   };
   std::vector<Posted> posted;
   posted.reserve(2 * static_cast<std::size_t>(size));
-  auto fail = [&](std::exception_ptr e) {
-    // Nothing may stay posted into (or from) buffers the caller no longer holds: cancel what is
-    // left and let the backend keep the tensors alive until UCX is done with each request.
-    for (auto& p : posted) {
-      if (p.request.done()) continue;
-      p.request.cancel();
-      auto w = c10::make_intrusive<P2PWork>(me, p.is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
-                                            p.request, std::vector<at::Tensor>{send, out}, timeout_);
-      std::lock_guard<std::mutex> lk(mu_);
-      reap_locked();
-      inflight_.push_back(w);
-    }
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      const std::string msg = "commux " + op + " (" + where() + "): " + err.what();
-      if (err.code() == Errc::kInvalidArgument || err.code() == Errc::kUnsupported) {
-        C10_THROW_ERROR(ValueError, msg);
-      }
-      C10_THROW_ERROR(DistBackendError, msg);
-    }
-  };
   try {
     // UCX reads the send buffer from now on: the work queued on its stream must be complete.
-    if (send_mem != MemoryType::kHost) StreamFence({send}).wait(deadline, op.c_str());
+    if (send_mem != MemoryType::kHost || recv_mem != MemoryType::kHost) {
+      StreamFence({send, recv}).wait(deadline, op.c_str());
+    }
     for (int p = 0; p < size; ++p) {
-      if (p == me || recv_bytes[p] == 0) continue;
-      Buffer b{rbase + recv_off[p], static_cast<std::size_t>(recv_bytes[p]), send_mem};
+      if (p == me || recv_capacity[p] == 0) continue;
+      Buffer b{rbase + recv_offsets[p], static_cast<std::size_t>(recv_capacity[p]), recv_mem};
       posted.push_back({comm_->post_recv(&b, 1, p, TagKind::kInternal, tag), p, false});
     }
     for (int i = 1; i < size; ++i) {  // start with the next rank, so no peer is everyone's first
@@ -128,33 +118,55 @@ at::Tensor ProcessGroupUCX::exchange_bytes(const std::string& op, const at::Tens
       posted.push_back({comm_->post_send(&b, 1, p, TagKind::kInternal, tag), p, true});
     }
     if (send_bytes[me] > 0) {
-      out.narrow(0, recv_off[me], recv_bytes[me]).copy_(send.narrow(0, send_off[me], send_bytes[me]));
+      recv.narrow(0, recv_offsets[me], send_bytes[me]).copy_(send.narrow(0, send_off[me], send_bytes[me]));
     }
+    // Every request is waited for, even after one failed: this rank's sends must reach the ranks
+    // that wait for them (so they fail or finish promptly, not at their timeout).
+    std::exception_ptr first;
     for (auto& p : posted) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       try {
         p.request.wait(std::max(left, std::chrono::milliseconds(1)));
+        if (!p.is_send) received[p.peer] = static_cast<std::int64_t>(p.request.bytes());
       } catch (const Error& err) {
-        if (err.code() != Errc::kTimeout) throw;
-        throw Error(Errc::kTimeout,
-                    std::string("timed out after ") + std::to_string(limit.count()) + " ms waiting for the " +
-                        (p.is_send ? "send to" : "message from") + " rank " + std::to_string(p.peer) +
-                        " (" + std::to_string(p.is_send ? send_bytes[p.peer] : recv_bytes[p.peer]) +
-                        " bytes): has every rank of the group made the same call? (cancelled)");
-      }
-      if (!p.is_send && p.request.bytes() != static_cast<std::size_t>(recv_bytes[p.peer])) {
-        throw Error(Errc::kWireMismatch,
-                    "rank " + std::to_string(p.peer) + " sent " + std::to_string(p.request.bytes()) +
-                        " bytes where its header announced " + std::to_string(recv_bytes[p.peer]));
+        if (err.code() == Errc::kTimeout) {
+          throw Error(Errc::kTimeout,
+                      std::string("timed out after ") + std::to_string(limit.count()) +
+                          " ms waiting for the " + (p.is_send ? "send to" : "message from") + " rank " +
+                          std::to_string(p.peer) + ": has every rank of the group made the same call? "
+                          "(cancelled)");
+        }
+        if (err.code() == Errc::kTruncated && !p.is_send) {
+          received[p.peer] = -1;  // longer than its slot: the caller says what that means
+        } else if (!first) {
+          first = std::current_exception();
+        }
       }
     }
-  } catch (const c10::Error&) {
-    fail(std::current_exception());  // (a c10::Error from ATen or the fence passes through)
-    throw;
+    if (first) std::rethrow_exception(first);
   } catch (...) {
-    fail(std::current_exception());
+    // Nothing may stay posted into (or from) memory the caller may reuse: cancel what is left and
+    // let the backend keep both buffers alive until UCX is done with each request.
+    for (auto& p : posted) {
+      if (p.request.done()) continue;
+      p.request.cancel();
+      auto w = c10::make_intrusive<P2PWork>(me, p.is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
+                                            p.request, std::vector<at::Tensor>{send, recv}, timeout_);
+      std::lock_guard<std::mutex> lk(mu_);
+      reap_locked();
+      inflight_.push_back(w);
+    }
+    try {
+      throw;
+    } catch (const Error& err) {
+      const std::string msg = "commux " + op + " (" + where() + "): " + err.what();
+      if (err.code() == Errc::kInvalidArgument || err.code() == Errc::kUnsupported) {
+        C10_THROW_ERROR(ValueError, msg);
+      }
+      C10_THROW_ERROR(DistBackendError, msg);
+    }
   }
-  return out;
+  return received;
 }
 
 }  // namespace commux

@@ -1,0 +1,61 @@
+// src/c10d/ep_kernels.hpp -- the row work under commux.ep (expert-parallel dispatch and combine),
+// so that a dispatch or combine costs a handful of calls from Python instead of dozens of small
+// tensor operations. Internal: bound for python/commux/ep.py only.
+//
+// A message of one exchange, per destination rank p, is a header (one row of `headers`) followed
+// by that rank's rows, `stride` bytes each; a row holds named fields (the token's payload, its
+// scales, expert ids, weights, source row) at fixed byte offsets. Host memory is handled with
+// plain loops; device tensors with ATen operations on their current stream (same layout).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace commux::ep {
+
+// Validation and layout of one dispatch's routing. `error` is empty when the routing is valid;
+// otherwise it says what is wrong and the other members are undefined.
+struct Route {
+  std::string error;
+  std::vector<std::int64_t> counts;  // rows for each destination rank
+  at::Tensor token;       // [S] int64: the source token of each row, rows by destination rank
+  at::Tensor slot;        // [S] int64 (per_assignment only): the top-k slot of each row
+  at::Tensor expert;      // [S] int32 (per_assignment only): the global expert id of each row
+  at::Tensor in_rank;     // [T, R] bool: whether token t goes to rank r
+  at::Tensor per_expert;  // [E] int32: how many tokens chose each expert
+};
+// topk_idx: [T, k] integer, -1 for an empty slot, ids distinct within a token. per_assignment:
+// one row per (token, expert) ordered by destination rank, token, slot (low-latency mode);
+// otherwise one row per (token, destination rank) ordered by destination rank, token (normal
+// mode). A device topk_idx is copied to the host (the counts are needed there anyway); the
+// returned tensors are on the host.
+Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t ranks,
+            bool per_assignment);
+
+// The send buffer of one exchange: for each rank p, headers[p] ([R, header bytes] uint8, host)
+// then counts[p] rows of `stride` bytes. Row i (counting over all ranks, in rank order) holds,
+// for every field f, row index[i] of parts[f] (a [T, ...] tensor: its row's bytes) at byte offset
+// offsets[f], and row i of row_parts[g] (an [S, ...] tensor) at row_offsets[g]; the rest of the
+// row is zero. `index` (host int64 [S]) undefined means rows 0, 1, 2, ... On the device of the
+// parts (the host when there are none).
+at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
+                const std::vector<std::int64_t>& offsets, const at::Tensor& index,
+                const std::vector<at::Tensor>& row_parts, const std::vector<std::int64_t>& row_offsets,
+                const std::vector<std::int64_t>& counts, std::int64_t stride);
+
+// The headers of a received buffer: [R, header bytes / 8] int64 on the host; a rank that sent
+// fewer bytes than a header gets a zero row (which no check accepts).
+at::Tensor headers(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+                   const std::vector<std::int64_t>& received, std::int64_t header_bytes);
+
+// The fields of the rows of a received buffer, rows grouped by source rank in rank order: rows[p]
+// rows start at slot_offsets[p] + header_bytes. Returns one [N, sizes[f]] uint8 tensor per field.
+std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+                               const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
+                               std::int64_t stride, const std::vector<std::int64_t>& offsets,
+                               const std::vector<std::int64_t>& sizes);
+
+}  // namespace commux::ep
