@@ -42,7 +42,8 @@ def reduce_times(per_rank: list[dict]) -> dict:
         n = min(len(s) for s in series)
         maxes = [max(s[i] for s in series) for i in range(n)]
         mins = [min(s[i] for s in series) for i in range(n)]
-        out[comp] = {"max": summarize(maxes), "min": summarize(mins)}
+        out[comp] = {"max": summarize(maxes), "min": summarize(mins),
+                     "per_rank_p50": [nearest_rank(sorted(s[:n]), 50) for s in series]}
     return out
 
 
@@ -89,8 +90,13 @@ def _key(rec):
     return (i["world"], i["workload"], i["memtype"], i["mode"], i["precision"])
 
 
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
 def targets(records: list[dict]) -> list[dict]:
-    """The issue's ratios: 2 ranks, CPU, bf16, small, normal mode, p50 of the cross-rank max."""
+    """The issue's ratios: 2 ranks, CPU, bf16, small, normal mode. Judged on p50 of the cross-rank
+    MAX (the layer's time); the same ratio of the MIN (the skew-free floor) is given beside it."""
     by = {}
     for rec in records:
         i = rec["identity"]
@@ -99,23 +105,20 @@ def targets(records: list[dict]) -> list[dict]:
             by[i["backend"]] = rec
     out = []
     ce = by.get("commux-ep")
+
+    def entry(what, tokens, num, den, comp, limit):
+        r = _ratio(_p50(num, tokens, comp), _p50(den, tokens, comp)) if num and den else None
+        rmin = _ratio(_p50(num, tokens, comp, "min"), _p50(den, tokens, comp, "min")) if num and den else None
+        out.append({"what": what, "tokens": tokens, "ratio": r, "ratio_min": rmin, "target": limit,
+                    "status": "not measured" if r is None else ("met" if r <= limit else "MISSED")})
+
     for num, den, comp, limit in TARGETS:
-        if ce is None or den not in by:
-            out.append({"what": f"{num} {comp} / {den} {comp}", "tokens": None, "ratio": None, "target": limit,
-                        "status": "not measured"})
-            continue
-        for t in ce["identity"]["tokens_ladder"]:
-            a, b = _p50(ce, t, comp), _p50(by[den], t, comp)
-            ratio = a / b if a and b else None
-            out.append({"what": f"{num} {comp} / {den} {comp}", "tokens": t, "ratio": ratio, "target": limit,
-                        "status": "not measured" if ratio is None else ("met" if ratio <= limit else "MISSED")})
-    ref = by.get("a2a-even-ucx")
-    a = _p50(ce, 128, "dispatch") if ce else None
-    b = _p50(ref, 128, "dispatch") if ref else None
-    ratio = a / b if a and b else None
-    out.append({"what": "commux-ep normal dispatch / one all_to_all_single (ucx, even split)", "tokens": 128,
-                "ratio": ratio, "target": DISPATCH_TARGET,
-                "status": "not measured" if ratio is None else ("met" if ratio <= DISPATCH_TARGET else "MISSED")})
+        what = f"{num} {comp} / {den} {comp}"
+        ladder = ce["identity"]["tokens_ladder"] if ce else [None]
+        for t in ladder:
+            entry(what, t, ce, by.get(den), comp, limit)
+    entry("commux-ep normal dispatch / one all_to_all_single (ucx, even split)", 128, ce, by.get("a2a-even-ucx"),
+          "dispatch", DISPATCH_TARGET)
     return out
 
 
@@ -139,12 +142,13 @@ def markdown(records: list[dict], env: dict, plots: list[str], elapsed_s: float,
     L.append("")
     L.append("## Targets (2 ranks, CPU, bf16, small workload, normal mode)")
     L.append("")
-    L.append("| ratio | tokens/rank | measured | target | status |")
-    L.append("|---|---:|---:|---:|---|")
+    L.append("| ratio | tokens/rank | measured (p50 of MAX) | p50 of MIN | target | status |")
+    L.append("|---|---:|---:|---:|---:|---|")
     for t in targets(records):
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        rmin = "-" if t["ratio_min"] is None else f"{t['ratio_min']:.2f}"
         tokens = "-" if t["tokens"] is None else t["tokens"]
-        L.append(f"| {t['what']} | {tokens} | {ratio} | <= {t['target']} | {t['status']} |")
+        L.append(f"| {t['what']} | {tokens} | {ratio} | {rmin} | <= {t['target']} | {t['status']} |")
     L.append("")
     L.append("Missed targets are reported, never a failure of the run; wrong results and unfinished cases are.")
     L.append("")
