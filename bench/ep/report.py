@@ -16,6 +16,8 @@ SCHEMA = "commux-ep-bench/1"
 # the targets of the issue: 2 ranks, CPU, bf16, small workload, normal mode
 TARGETS = (("commux-ep", "a2a-ucx", "roundtrip", 0.7), ("commux-ep", "a2a-gloo", "roundtrip", 0.3))
 DISPATCH_TARGET = 2.0
+COLORS = {"commux-ep": "tab:blue", "commux-ep-gloo": "tab:cyan", "a2a-ucx": "tab:orange", "a2a-gloo": "tab:green",
+          "deepep": "tab:red", "uccl-ep": "tab:purple", "a2a-even-ucx": "black"}  # one color per backend everywhere
 
 
 def nearest_rank(sorted_v: list, p: float):
@@ -255,8 +257,9 @@ def plots(records: list[dict], out_dir: str) -> list[str]:
                 p50 = [p[1]["p50"] for p in pts]
                 p99 = [p[1]["p99"] for p in pts]
                 label = "one all_to_all_single (ucx), dispatch bytes" if ref else rec["identity"]["backend"]
-                line, = ax.plot(xs, p50, marker="o", ms=3, label=label, ls="--" if ref else "-")
-                ax.fill_between(xs, p50, p99, color=line.get_color(), alpha=0.2, lw=0)
+                color = COLORS.get(rec["identity"]["backend"], "gray")
+                ax.plot(xs, p50, marker="o", ms=3, label=label, ls="--" if ref else "-", color=color)
+                ax.fill_between(xs, p50, p99, color=color, alpha=0.15, lw=0)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("tokens per rank")

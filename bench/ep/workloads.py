@@ -25,7 +25,7 @@ FULL_PLAN = {
     (2, "small"): {"normal": [0] + LADDER, "low-latency": [0] + LADDER},
     (3, "small"): {"normal": [1, 4, 16, 64, 128], "low-latency": [1, 4, 16, 64, 128]},
     (4, "small"): {"normal": [1, 4, 16, 64, 128], "low-latency": [1, 4, 16, 64, 128]},
-    (2, "dsv3"): {"normal": [1, 8, 32, 128], "low-latency": [1, 8, 32]},
+    (2, "dsv3"): {"normal": [1, 8, 32, 128], "low-latency": [1, 8, 32, 128]},
 }
 QUICK_PLAN = {
     (2, "small"): {"normal": [0, 1, 8, 128], "low-latency": [0, 1, 8, 128]},
