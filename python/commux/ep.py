@@ -44,7 +44,7 @@ data has arrived when the call returns).
 from __future__ import annotations
 
 import itertools
-import struct
+import os
 import threading
 from typing import List, Optional, Tuple, Union
 
@@ -61,7 +61,6 @@ _H_MAGIC, _H_KIND, _H_STATUS, _H_BUFFER, _H_CALL, _H_HIDDEN, _H_DTYPE, _H_TOPK, 
     _H_ROWS, _H_BYTES, _H_STRIDE, _H_CAP, _H_TOKENS, _H_LAYOUT = range(15)
 _H_TEXT = 16          # the rejection reason, UTF-8, from here to the end of the row
 _H_LEN = 16 + 32      # 48 int64 = 384 bytes a destination
-_TEXT_BYTES = (_H_LEN - _H_TEXT) * 8
 
 _KINDS = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine"}
 _DTYPES = {0: "none", 1: "bfloat16", 2: "float8_e4m3fn with float32 scales"}
@@ -138,7 +137,6 @@ class _Layout:
 
 
 _HDR_BYTES = _H_LEN * 8
-_HEADER = struct.Struct(f"<{_H_TEXT}q")
 
 
 class _Ucx:
@@ -175,6 +173,10 @@ class _AllToAll:
             pos += n
         return got
 
+
+# COMMUX_EP_ATEN=1: pack and unpack host tensors with the device path's ATen operations, so the
+# code that serves GPU tensors is exercised on a machine without one (a check, not a speed-up).
+_C._ep_set_aten_on_host(os.environ.get("COMMUX_EP_ATEN", "0") == "1")
 
 _ids_lock = threading.Lock()
 _next_ids: dict = {}  # group -> the next Buffer id (ranks create their Buffers in the same order)
@@ -224,16 +226,8 @@ class _Call:
                                 [layout.offset(n) for n in names], index, [rows[n] for n in rnames],
                                 [layout.offset(n) for n in rnames], counts, layout.stride)
 
-    def _headers(self, counts, stride, reason=b""):
-        one = _HEADER.pack(*self.hdr)
-        text = reason[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
-        out = bytearray()
-        for c in counts:
-            h = list(self.hdr)
-            h[_H_ROWS], h[_H_BYTES] = c, c * stride
-            out += _HEADER.pack(*h) if c else one
-            out += text
-        return torch.frombuffer(out, dtype=torch.uint8).view(len(counts), _HDR_BYTES)
+    def _headers(self, counts, stride, reason=""):
+        return _C._ep_make_headers(self.hdr, reason, _H_LEN, _H_ROWS, _H_BYTES, counts, stride)
 
     def reject(self, e: BaseException):
         """Tells every rank that this call failed here before anything was sent (so none waits
@@ -242,7 +236,7 @@ class _Call:
         self.hdr[_H_STATUS] = 1
         reason = str(e) if isinstance(e, _Rejected) else f"{type(e).__name__}: {e}"
         try:
-            heads = self._headers([0] * R, 0, reason.encode()).view(-1).to(self.device)
+            heads = self._headers([0] * R, 0, reason).view(-1).to(self.device)
             # The slots are only a header long: a rank that sends rows to this one (combine) is
             # cut short (reported as -1 here, and ignored), never left waiting.
             recv = torch.empty(R * _HDR_BYTES, dtype=torch.uint8, device=self.device)
@@ -290,12 +284,11 @@ class _Call:
     def _check(self, recv, offsets, got, caps):
         """Every rank's header: rejected calls, cut-short messages, another call, disagreements."""
         R, me, stride = self.buf.group_size, self.buf.rank, self.layout.stride
-        heads = _C._ep_headers(recv, offsets, [max(g, 0) for g in got], _HDR_BYTES)
-        peers = heads[:, :_H_TEXT].tolist()
+        peers, reasons = _C._ep_read_headers(recv, offsets, got, _HDR_BYTES, _H_TEXT)
         who = f"commux {self.op} (rank {me} of {R})"
         for p, row in enumerate(peers):
             if p != me and got[p] >= 0 and row[_H_STATUS] and row[_H_MAGIC] == _MAGIC:
-                why = heads[p, _H_TEXT:].numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+                why = reasons[p].decode(errors="replace")
                 raise _backend_error(f"{who}: rank {p} rejected its {_KINDS.get(row[_H_KIND], 'call')}: {why}")
         for p, row in enumerate(peers):
             if got[p] < 0:
@@ -514,19 +507,15 @@ class Buffer:
             return recv_x, None, None, None, None, self._event(xv)
 
         epr = E // R
-        gid = f["idx"].view(torch.int32)
-        mine = (gid >= me * epr) & (gid < (me + 1) * epr)
-        local = torch.where(mine, gid - me * epr, -1).to(torch.int64)
-        recv_w = f["w"].view(torch.float32).masked_fill_(~mine, 0.0) if weights else None
+        recv_w = f["w"].view(torch.float32) if weights else None  # (zeroed where not local)
+        local, per_expert_list = _C._ep_local_ids(f["idx"].view(torch.int32), recv_w, me * epr, epr,
+                                                  expert_alignment)
         src_idx = f["src"].view(torch.int32).view(-1)
         if num_worst_tokens:
             per_expert_list = []  # as DeepEP: no counts (no host sync) with num_worst_tokens
             local = self._pad_rows(local, num_worst_tokens, fill=-1)
             if recv_w is not None:
                 recv_w = self._pad_rows(recv_w, num_worst_tokens)
-        else:
-            per_expert = torch.bincount(local.view(-1) + 1, minlength=epr + 1)[1:].tolist()
-            per_expert_list = [_pad(n, expert_alignment) for n in per_expert]
         prefix = torch.tensor(list(itertools.accumulate(recv_counts)), dtype=torch.int32)
         new = _Handle((prefix, None, None, src_idx, in_rank, None), _buffer=self._id, _mode="normal",
                       _call=c.number, _order=order, _send_counts=counts, _recv_counts=recv_counts,
@@ -562,16 +551,12 @@ class Buffer:
             c.pack(h._recv_counts, layout, parts, sizes_known=True)
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
             c.reject(e)
-        names = ["x"] + (["w"] if topk_weights is not None else [])
-        f = dict(zip(names, c.fields(c.exchange(h._send_counts), names)))
-        acc = torch.zeros((h._tokens, H), dtype=torch.float32, device=x.device)
-        order = h._order if x.device.type == "cpu" else h._order.to(x.device)
-        acc.index_add_(0, order, f["x"].view(torch.bfloat16).float())
-        combined_w = None
-        if topk_weights is not None:
-            combined_w = torch.zeros((h._tokens, h._topk), dtype=torch.float32, device=x.device)
-            combined_w.index_add_(0, order, f["w"].view(torch.float32))
-        return acc.to(torch.bfloat16), combined_w, self._event(x)
+        recv, offsets, rows, hb = c.exchange(h._send_counts)
+        k = h._topk if topk_weights is not None else 0
+        combined, combined_w = _C._ep_combine_sum(recv, offsets, rows, hb, layout.stride,
+                                                  layout.offset("x"), H, layout.offset("w"), k,
+                                                  h._order, h._tokens)
+        return combined, combined_w, self._event(x)
 
     # --- low-latency mode ------------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -25,6 +25,43 @@ FAST = 60
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 
+# Where the tensors live and which code path packs them: "cpu" (host loops), "aten" (host tensors
+# through the device path's ATen operations: COMMUX_EP_ATEN), "cuda" (a GPU; skipped without one).
+PATHS = ["cpu", "aten", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+class on_path:
+    """Runs a rank's body on one path: the device to put inputs on, and the ATen switch."""
+
+    def __init__(self, ctx, path):
+        self.path = path
+        self.device = (torch.device("cuda", ctx.rank % torch.cuda.device_count()) if path == "cuda"
+                       else torch.device("cpu"))
+
+    def __enter__(self):
+        from commux import _C
+        if self.path == "cuda":
+            torch.cuda.set_device(self.device)
+        _C._ep_set_aten_on_host(self.path == "aten")
+        return self
+
+    def __exit__(self, *exc):
+        from commux import _C
+        _C._ep_set_aten_on_host(False)
+        return False
+
+    def put(self, *ts):
+        out = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else
+                    tuple(u.to(self.device) for u in t) if isinstance(t, tuple) else t for t in ts)
+        return out if len(out) > 1 else out[0]
+
+
+def cpu(t):
+    if isinstance(t, tuple):
+        return tuple(cpu(u) for u in t)
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
 
 # --- inputs and the reference ----------------------------------------------------------------
 def inputs(rank, T, H, E, k, seed, empty_slots=True, only_experts=None):
@@ -128,24 +165,33 @@ def check(what, got, want):
 
 
 # --- normal mode ----------------------------------------------------------------------------------
-def _normal(ctx, T, fp8, E, k, seed, only_experts=None):
+def _normal(ctx, T, fp8, E, k, seed, only_experts=None, path="cpu"):
+    with on_path(ctx, path) as on:
+        _normal_body(ctx, on, T, fp8, E, k, seed, only_experts)
+
+
+def _normal_body(ctx, on, T, fp8, E, k, seed, only_experts):
     from commux.ep import Buffer
     R, me, H = ctx.world, ctx.rank, 256
     all_in = [inputs(r, T, H, E, k, seed, only_experts=only_experts) for r in range(R)]
     x, idx, w = all_in[me]
     want_x, want_idx, want_w, want_counts, want_src = ref_dispatch(all_in, me, R, E)
     for name, g in groups(ctx):
+        if on.path == "cuda" and name == "gloo":
+            continue  # gloo has no all_to_all on CUDA tensors
         buf = Buffer(g)
-        n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(idx, E)
-        assert n_rdma is None and ev is None
+        d_idx, d_w = on.put(idx, w)
+        n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(d_idx, E)
+        assert n_rdma is None and (ev is None) == (on.path != "cuda")
+        n_rank, n_exp, in_rank = cpu((n_rank, n_exp, in_rank))
         check(f"{name}: num_tokens_per_rank", n_rank,
               torch.tensor([int(((idx >= r * (E // R)) & (idx < (r + 1) * (E // R))).any(1).sum())
                             for r in range(R)], dtype=torch.int32))
-        xin = quantize(x) if fp8 else x
+        xin = on.put(quantize(x) if fp8 else x)
         rx, ridx, rw, counts, handle, ev = buf.dispatch(
             xin, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp,
-            topk_idx=idx, topk_weights=w)
-        assert ev is None
+            topk_idx=d_idx, topk_weights=d_w)
+        rx, ridx, rw = cpu((rx, ridx, rw))
         if fp8:
             qx, qs = quantize(want_x) if want_x.shape[0] else (want_x.to(FP8), torch.empty(0, H // 128))
             check(f"{name}: fp8 recv_x", rx[0], qx)
@@ -158,11 +204,12 @@ def _normal(ctx, T, fp8, E, k, seed, only_experts=None):
         check(f"{name}: handle source rows", handle[3].tolist(), want_src)
         # combine on an expert-specific transform of what arrived (bf16)
         y = expert_transform(want_x, me)
-        cx, cw, ev = buf.combine(y, handle, topk_weights=rw)
+        cx, cw, ev = cpu(buf.combine(on.put(y), handle, topk_weights=on.put(rw)))
         check(f"{name}: combined_x", cx, ref_combine(x, idx, R, E))
         check(f"{name}: combined_topk_weights", cw, torch.where(idx >= 0, w, torch.zeros_like(w)))
         # a cached handle: the same layout, no top-k arguments
         rx2, *rest = buf.dispatch(xin, handle=handle)
+        rx2 = cpu(rx2)
         assert rest[:4] == [None, None, None, None]
         check(f"{name}: cached dispatch", rx2[0] if fp8 else rx2, rx[0] if fp8 else rx)
         buf.destroy()
@@ -178,6 +225,15 @@ def test_normal_bf16(ranks, ws, T):
 @pytest.mark.parametrize("T", [0, 5, 32])
 def test_normal_fp8(ranks, ws, T):
     ranks.run(_normal, T, True, 4 * ws, 3, seed=100 + T, timeout=FAST)
+
+
+@worlds(2, 3)
+@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("T", [0, 9])
+def test_normal_device_path(ranks, ws, T, fp8, path):
+    """The device path (ATen on GPU tensors; also on host tensors with COMMUX_EP_ATEN)."""
+    ranks.run(_normal, T, fp8, 4 * ws, 3, seed=400 + T, path=path, timeout=FAST)
 
 
 @worlds(2, 3)
@@ -212,22 +268,32 @@ def test_alignment_and_worst_tokens(ranks, ws):
 
 
 # --- low-latency mode -------------------------------------------------------------------------------
-def _low_latency(ctx, T, fp8, E, k, cap, seed):
+def _low_latency(ctx, T, fp8, E, k, cap, seed, path="cpu"):
+    with on_path(ctx, path) as on:
+        _low_latency_body(ctx, on, T, fp8, E, k, cap, seed)
+
+
+def _low_latency_body(ctx, on, T, fp8, E, k, cap, seed):
     from commux.ep import Buffer
     R, me, H = ctx.world, ctx.rank, 256
     epr = E // R
     all_in = [inputs(r, T, H, E, k, seed) for r in range(R)]
     x, idx, w = all_in[me]
     for name, g in groups(ctx):
+        if on.path == "cuda" and name == "gloo":
+            continue  # gloo has no all_to_all on CUDA tensors
         buf = Buffer(g, low_latency_mode=True)
-        stats = torch.zeros(epr, dtype=torch.int32)
+        stats = on.put(torch.zeros(epr, dtype=torch.int32))
+        d_x, d_idx, d_w = on.put(x, idx, w)
         rx, count, handle, ev, hook = buf.low_latency_dispatch(
-            x, idx, cap, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, return_recv_hook=True)
+            d_x, d_idx, cap, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, return_recv_hook=True)
         hook()
-        assert ev is None
+        assert (ev is None) == (on.path != "cuda")
+        rx, count, stats = cpu((rx, count, stats))
         xs = rx[0] if fp8 else rx
         assert list(xs.shape) == [epr, cap * R, H], f"{name}: recv_x shape {list(xs.shape)}"
         src_info, layout_range, hcap, hH, hE = handle
+        src_info, layout_range = cpu((src_info, layout_range))
         assert (hcap, hH, hE) == (cap, H, E)
         for e in range(epr):
             ge = me * epr + e
@@ -260,8 +326,8 @@ def _low_latency(ctx, T, fp8, E, k, cap, seed):
                                  if bool((all_in[s][1][t] == me * epr + e).any())]) if n else None
             if n:
                 y[e, :n] = (src_x.float() * ll_scale(me * epr + e)).to(BF16)
-        out, ev, hook = buf.low_latency_combine(y, idx, w, handle)
-        check(f"{name}: LL combined", out, ref_ll_combine(x, idx, w, R, E))
+        out, ev, hook = buf.low_latency_combine(on.put(y), d_idx, d_w, handle)
+        check(f"{name}: LL combined", cpu(out), ref_ll_combine(x, idx, w, R, E))
         buf.destroy()
 
 
@@ -275,6 +341,13 @@ def test_low_latency_bf16(ranks, ws, T):
 @pytest.mark.parametrize("T", [1, 16])
 def test_low_latency_fp8(ranks, ws, T):
     ranks.run(_low_latency, T, True, 2 * ws, 2, cap=16, seed=300 + T, timeout=FAST)
+
+
+@worlds(2, 3)
+@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency_device_path(ranks, ws, fp8, path):
+    ranks.run(_low_latency, 7, fp8, 2 * ws, 2, cap=8, seed=500, path=path, timeout=FAST)
 
 
 # --- isolation from other traffic ------------------------------------------------------------------

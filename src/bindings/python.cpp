@@ -124,11 +124,47 @@ PYBIND11_MODULE(_C, m) {
       py::arg("headers"), py::arg("parts"), py::arg("offsets"), py::arg("index"),
       py::arg("row_parts"), py::arg("row_offsets"), py::arg("counts"), py::arg("stride"),
       py::call_guard<py::gil_scoped_release>());
-  m.def("_ep_headers", &commux::ep::headers, py::arg("recv"), py::arg("slot_offsets"),
-        py::arg("received"), py::arg("header_bytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("_ep_set_aten_on_host", &commux::ep::set_aten_on_host, py::arg("on"));
+  m.def("_ep_make_headers", &commux::ep::make_headers, py::arg("fields"), py::arg("reason"),
+        py::arg("header_ints"), py::arg("rows_at"), py::arg("bytes_at"), py::arg("counts"),
+        py::arg("stride"));
+  m.def(
+      "_ep_read_headers",
+      [](const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+         const std::vector<std::int64_t>& received, std::int64_t header_bytes, std::int64_t fields) {
+        auto h = commux::ep::read_headers(recv, slot_offsets, received, header_bytes, fields);
+        py::list reasons;
+        for (const auto& r : h.reasons) reasons.append(py::bytes(r));
+        return py::make_tuple(h.fields, reasons);
+      },
+      py::arg("recv"), py::arg("slot_offsets"), py::arg("received"), py::arg("header_bytes"),
+      py::arg("fields"));
   m.def("_ep_unpack", &commux::ep::unpack, py::arg("recv"), py::arg("slot_offsets"), py::arg("rows"),
         py::arg("header_bytes"), py::arg("stride"), py::arg("offsets"), py::arg("sizes"),
         py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "_ep_local_ids",
+      [](const at::Tensor& gid, const std::optional<at::Tensor>& weights, std::int64_t lo,
+         std::int64_t experts_here, std::int64_t alignment) {
+        auto r = commux::ep::local_ids(gid, weights ? *weights : at::Tensor(), lo, experts_here, alignment);
+        return py::make_tuple(r.local, r.per_expert);
+      },
+      py::arg("gid"), py::arg("weights"), py::arg("lo"), py::arg("experts_here"), py::arg("alignment"));
+  m.def(
+      "_ep_combine_sum",
+      [](const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+         const std::vector<std::int64_t>& rows, std::int64_t header_bytes, std::int64_t stride,
+         std::int64_t x_offset, std::int64_t hidden, std::int64_t w_offset, std::int64_t k,
+         const at::Tensor& order, std::int64_t tokens) {
+        std::vector<at::Tensor> r;
+        {
+          py::gil_scoped_release nogil;
+          r = commux::ep::combine_sum(recv, slot_offsets, rows, header_bytes, stride, x_offset, hidden,
+                                      w_offset, k, order, tokens);
+        }
+        return py::make_tuple(r[0], r[1]);
+      });
 
   m.def("choose_transports", &choose_transports, py::arg("accelerator"), py::arg("available"),
         py::arg("user_tls") = py::none(),

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -11,6 +12,12 @@
 namespace commux::ep {
 
 namespace {
+
+std::atomic<bool> aten_on_host{false};
+
+// Host memory is handled with plain loops, unless set_aten_on_host(true) asks for the ATen path
+// there too (so CI runs the device path's code without a device).
+bool loops(const c10::Device& d) { return d.is_cpu() && !aten_on_host.load(std::memory_order_relaxed); }
 
 [[noreturn]] void bad(const std::string& what) {
   C10_THROW_ERROR(ValueError, "commux ep: " + what);
@@ -25,7 +32,8 @@ std::int64_t row_bytes(const at::Tensor& t) {
 
 // A tensor's bytes as a [rows, row bytes] uint8 view (the tensor must be contiguous).
 at::Tensor byte_rows(const at::Tensor& t) {
-  return t.contiguous().view({t.size(0), -1}).view(at::kByte).view({t.size(0), row_bytes(t)});
+  const std::int64_t elems = row_bytes(t) / static_cast<std::int64_t>(t.element_size());
+  return t.contiguous().view({t.size(0), elems}).view(at::kByte);
 }
 
 std::int64_t total(const std::vector<std::int64_t>& v) {
@@ -33,6 +41,8 @@ std::int64_t total(const std::vector<std::int64_t>& v) {
 }
 
 }  // namespace
+
+void set_aten_on_host(bool on) { aten_on_host.store(on); }
 
 Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t ranks,
             bool per_assignment) {
@@ -169,7 +179,7 @@ at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
     bad("pack: the row index must be a host int64 tensor of one entry per row sent");
   }
   at::Tensor out = at::empty({R * hb + S * stride}, at::TensorOptions().dtype(at::kByte).device(device));
-  if (device.is_cpu()) {
+  if (loops(device)) {
     const auto* hd = headers.data_ptr<std::uint8_t>();
     const at::Tensor idx = identity ? at::Tensor() : index.contiguous();
     const std::int64_t* ix = identity ? nullptr : idx.data_ptr<std::int64_t>();
@@ -213,16 +223,52 @@ at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
   return out;
 }
 
-at::Tensor headers(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-                   const std::vector<std::int64_t>& received, std::int64_t header_bytes) {
-  const auto R = static_cast<std::int64_t>(slot_offsets.size());
-  if (header_bytes % 8 != 0 || received.size() != slot_offsets.size()) bad("headers: bad sizes");
-  at::Tensor out = at::zeros({R, header_bytes / 8}, at::TensorOptions().dtype(at::kLong));
-  for (std::int64_t p = 0; p < R; ++p) {
-    if (received[static_cast<std::size_t>(p)] < header_bytes) continue;
-    out[p].view(at::kByte).copy_(recv.narrow(0, slot_offsets[static_cast<std::size_t>(p)], header_bytes));
+at::Tensor make_headers(const std::vector<std::int64_t>& fields, const std::string& reason,
+                        std::int64_t header_ints, std::int64_t rows_at, std::int64_t bytes_at,
+                        const std::vector<std::int64_t>& counts, std::int64_t stride) {
+  const auto nf = static_cast<std::int64_t>(fields.size());
+  if (nf > header_ints || rows_at < 0 || rows_at >= nf || bytes_at < 0 || bytes_at >= nf) {
+    bad("make_headers: the fields do not fit a header");
+  }
+  const auto R = static_cast<std::int64_t>(counts.size());
+  at::Tensor out = at::zeros({R, header_ints * 8}, at::TensorOptions().dtype(at::kByte));
+  auto* o = out.data_ptr<std::uint8_t>();
+  const std::size_t text = std::min<std::size_t>(reason.size(), static_cast<std::size_t>((header_ints - nf) * 8));
+  std::vector<std::int64_t> row(fields);
+  for (std::int64_t p = 0; p < R; ++p, o += header_ints * 8) {
+    row[static_cast<std::size_t>(rows_at)] = counts[static_cast<std::size_t>(p)];
+    row[static_cast<std::size_t>(bytes_at)] = counts[static_cast<std::size_t>(p)] * stride;
+    std::memcpy(o, row.data(), row.size() * sizeof(std::int64_t));
+    std::memcpy(o + nf * 8, reason.data(), text);
   }
   return out;
+}
+
+Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+                     const std::vector<std::int64_t>& received, std::int64_t header_bytes,
+                     std::int64_t fields) {
+  if (received.size() != slot_offsets.size() || fields * 8 > header_bytes) bad("read_headers: bad sizes");
+  Headers h;
+  const at::Tensor host = recv.device().is_cpu() ? recv : at::Tensor();
+  std::vector<std::uint8_t> one(static_cast<std::size_t>(header_bytes));
+  for (std::size_t p = 0; p < slot_offsets.size(); ++p) {
+    h.fields.emplace_back(static_cast<std::size_t>(fields), 0);
+    h.reasons.emplace_back();
+    if (received[p] < header_bytes) continue;
+    if (slot_offsets[p] < 0 || slot_offsets[p] + header_bytes > recv.numel()) bad("read_headers: slot outside the buffer");
+    if (host.defined()) {
+      std::memcpy(one.data(), host.data_ptr<std::uint8_t>() + slot_offsets[p], one.size());
+    } else {
+      at::Tensor t = recv.narrow(0, slot_offsets[p], header_bytes).cpu();
+      std::memcpy(one.data(), t.data_ptr<std::uint8_t>(), one.size());
+    }
+    std::memcpy(h.fields.back().data(), one.data(), static_cast<std::size_t>(fields) * 8);
+    std::size_t n = one.size();
+    while (n > static_cast<std::size_t>(fields * 8) && one[n - 1] == 0) --n;
+    h.reasons.back().assign(reinterpret_cast<const char*>(one.data()) + fields * 8,
+                            n - static_cast<std::size_t>(fields * 8));
+  }
+  return h;
 }
 
 std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
@@ -240,7 +286,7 @@ std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::in
     if (offsets[f] < 0 || offsets[f] + sizes[f] > stride) bad("unpack: a field does not fit a row");
   }
   std::vector<at::Tensor> out;
-  if (recv.device().is_cpu()) {
+  if (loops(recv.device())) {
     const auto* base = recv.data_ptr<std::uint8_t>();
     std::vector<std::uint8_t*> dst;
     for (const auto s : sizes) {
@@ -265,6 +311,119 @@ std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::in
   const at::Tensor all = blocks.empty() ? at::empty({0, stride}, recv.options()) : at::cat(blocks);
   for (std::size_t f = 0; f < sizes.size(); ++f) out.push_back(all.narrow(1, offsets[f], sizes[f]).contiguous());
   return out;
+}
+
+LocalIds local_ids(const at::Tensor& gid, const at::Tensor& weights, std::int64_t lo,
+                   std::int64_t experts_here, std::int64_t alignment) {
+  if (gid.scalar_type() != at::kInt || gid.dim() != 2) bad("local_ids: ids must be [N, k] int32");
+  if (alignment < 1) bad("local_ids: alignment must be >= 1");
+  LocalIds out;
+  out.per_expert.assign(static_cast<std::size_t>(experts_here), 0);
+  if (!loops(gid.device())) {
+    const at::Tensor mine = (gid >= lo).logical_and(gid < lo + experts_here);
+    out.local = at::where(mine, gid - lo, -1).to(at::kLong);
+    if (weights.defined()) weights.masked_fill_(mine.logical_not(), 0.0);
+    const at::Tensor counts =
+        at::bincount(out.local.reshape({-1}) + 1, {}, experts_here + 1).narrow(0, 1, experts_here).cpu();
+    const auto* c = counts.data_ptr<std::int64_t>();
+    for (std::int64_t e = 0; e < experts_here; ++e) out.per_expert[e] = (c[e] + alignment - 1) / alignment * alignment;
+    return out;
+  }
+  const at::Tensor g = gid.contiguous();
+  const std::int64_t n = g.numel();
+  out.local = at::empty(g.sizes(), g.options().dtype(at::kLong));
+  const auto* gp = g.data_ptr<std::int32_t>();
+  auto* lp = out.local.data_ptr<std::int64_t>();
+  float* wp = nullptr;
+  if (weights.defined()) {
+    if (weights.scalar_type() != at::kFloat || !weights.is_contiguous() || weights.numel() != n) {
+      bad("local_ids: weights must be contiguous float32 of the ids' shape");
+    }
+    wp = weights.data_ptr<float>();
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t e = static_cast<std::int64_t>(gp[i]) - lo;
+    if (e >= 0 && e < experts_here) {
+      lp[i] = e;
+      ++out.per_expert[static_cast<std::size_t>(e)];
+    } else {
+      lp[i] = -1;
+      if (wp) wp[i] = 0.0f;
+    }
+  }
+  for (auto& c : out.per_expert) c = (c + alignment - 1) / alignment * alignment;
+  return out;
+}
+
+std::vector<at::Tensor> combine_sum(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+                                    const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
+                                    std::int64_t stride, std::int64_t x_offset, std::int64_t hidden,
+                                    std::int64_t w_offset, std::int64_t k, const at::Tensor& order,
+                                    std::int64_t tokens) {
+  const std::int64_t N = total(rows);
+  if (!order.device().is_cpu() || order.scalar_type() != at::kLong || order.numel() != N) {
+    bad("combine_sum: order must be a host int64 tensor of one entry per row");
+  }
+  if (x_offset < 0 || x_offset + 2 * hidden > stride || (k > 0 && (w_offset < 0 || w_offset + 4 * k > stride))) {
+    bad("combine_sum: a field does not fit a row");
+  }
+  const at::Tensor ord = order.contiguous();
+  const auto* op = ord.data_ptr<std::int64_t>();
+  for (std::int64_t i = 0; i < N; ++i) {
+    if (op[i] < 0 || op[i] >= tokens) bad("combine_sum: a row's token is out of range");
+  }
+  if (!loops(recv.device())) {
+    std::vector<std::int64_t> offs{x_offset}, sizes{2 * hidden};
+    if (k > 0) {
+      offs.push_back(w_offset);
+      sizes.push_back(4 * k);
+    }
+    auto f = unpack(recv, slot_offsets, rows, header_bytes, stride, offs, sizes);
+    const at::Tensor dord = ord.to(recv.device());
+    at::Tensor acc = at::zeros({tokens, hidden}, recv.options().dtype(at::kFloat));
+    acc.index_add_(0, dord, f[0].view(at::kBFloat16).to(at::kFloat));
+    at::Tensor wsum;
+    if (k > 0) {
+      wsum = at::zeros({tokens, k}, recv.options().dtype(at::kFloat));
+      wsum.index_add_(0, dord, f[1].view(at::kFloat));
+    }
+    return {acc.to(at::kBFloat16), wsum};
+  }
+  for (std::size_t p = 0; p < rows.size(); ++p) {
+    if (rows[p] < 0 || slot_offsets[p] + header_bytes + rows[p] * stride > recv.numel()) {
+      bad("combine_sum: rows of rank " + std::to_string(p) + " lie outside the received buffer");
+    }
+  }
+  std::vector<float> acc(static_cast<std::size_t>(tokens * hidden), 0.0f);
+  std::vector<float> wacc(static_cast<std::size_t>(tokens * std::max<std::int64_t>(k, 0)), 0.0f);
+  const auto* base = recv.data_ptr<std::uint8_t>();
+  std::int64_t i = 0;
+  for (std::size_t p = 0; p < rows.size(); ++p) {
+    const std::uint8_t* r = base + slot_offsets[p] + header_bytes;
+    for (std::int64_t j = 0; j < rows[p]; ++j, ++i, r += stride) {
+      float* a = acc.data() + op[i] * hidden;
+      const auto* x = reinterpret_cast<const c10::BFloat16*>(r + x_offset);
+      for (std::int64_t h = 0; h < hidden; ++h) a[h] += static_cast<float>(x[h]);
+      if (k > 0) {
+        float* wa = wacc.data() + op[i] * k;
+        float w[64];
+        for (std::int64_t c = 0; c < k; c += 64) {
+          const std::int64_t m = std::min<std::int64_t>(64, k - c);
+          std::memcpy(w, r + w_offset + 4 * c, static_cast<std::size_t>(4 * m));
+          for (std::int64_t q = 0; q < m; ++q) wa[c + q] += w[q];
+        }
+      }
+    }
+  }
+  at::Tensor out = at::empty({tokens, hidden}, at::TensorOptions().dtype(at::kBFloat16));
+  auto* o = out.data_ptr<c10::BFloat16>();
+  for (std::size_t q = 0; q < acc.size(); ++q) o[q] = static_cast<c10::BFloat16>(acc[q]);
+  at::Tensor wsum;
+  if (k > 0) {
+    wsum = at::empty({tokens, k}, at::TensorOptions().dtype(at::kFloat));
+    std::memcpy(wsum.data_ptr<float>(), wacc.data(), wacc.size() * sizeof(float));
+  }
+  return {out, wsum};
 }
 
 }  // namespace commux::ep

@@ -16,6 +16,10 @@
 
 namespace commux::ep {
 
+// Runs the device path (ATen operations) on host tensors too: a check of that path on a machine
+// without a device (COMMUX_EP_ATEN=1 in commux.ep; off by default).
+void set_aten_on_host(bool on);
+
 // Validation and layout of one dispatch's routing. `error` is empty when the routing is valid;
 // otherwise it says what is wrong and the other members are undefined.
 struct Route {
@@ -35,21 +39,35 @@ struct Route {
 Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t ranks,
             bool per_assignment);
 
-// The send buffer of one exchange: for each rank p, headers[p] ([R, header bytes] uint8, host)
-// then counts[p] rows of `stride` bytes. Row i (counting over all ranks, in rank order) holds,
-// for every field f, row index[i] of parts[f] (a [T, ...] tensor: its row's bytes) at byte offset
-// offsets[f], and row i of row_parts[g] (an [S, ...] tensor) at row_offsets[g]; the rest of the
-// row is zero. `index` (host int64 [S]) undefined means rows 0, 1, 2, ... On the device of the
-// parts (the host when there are none).
+// The headers of one exchange's messages, one row of `header_ints` int64 per destination rank:
+// `fields` first, with fields[rows_at] = counts[p] and fields[bytes_at] = counts[p] * stride,
+// then `reason` (UTF-8, cut to fit) in the bytes after the fields. A [R, header_ints * 8] uint8
+// host tensor.
+at::Tensor make_headers(const std::vector<std::int64_t>& fields, const std::string& reason,
+                        std::int64_t header_ints, std::int64_t rows_at, std::int64_t bytes_at,
+                        const std::vector<std::int64_t>& counts, std::int64_t stride);
+
+// The send buffer of one exchange: for each rank p, headers[p] ([R, header bytes] uint8, host;
+// [R, 0] for none) then counts[p] rows of `stride` bytes. Row i (counting over all ranks, in rank
+// order) holds, for every field f, row index[i] of parts[f] (a [T, ...] tensor: its row's bytes)
+// at byte offset offsets[f], and row i of row_parts[g] (an [S, ...] tensor) at row_offsets[g];
+// the rest of the row is zero. `index` (host int64 [S]) undefined means rows 0, 1, 2, ... On the
+// device of the parts (the host when there are none).
 at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
                 const std::vector<std::int64_t>& offsets, const at::Tensor& index,
                 const std::vector<at::Tensor>& row_parts, const std::vector<std::int64_t>& row_offsets,
                 const std::vector<std::int64_t>& counts, std::int64_t stride);
 
-// The headers of a received buffer: [R, header bytes / 8] int64 on the host; a rank that sent
-// fewer bytes than a header gets a zero row (which no check accepts).
-at::Tensor headers(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-                   const std::vector<std::int64_t>& received, std::int64_t header_bytes);
+// The headers of a received buffer: for each rank, its first `fields` int64 and the reason text
+// after them (trailing zero bytes dropped); a rank that sent fewer bytes than a header (received
+// < header_bytes, e.g. -1) gets zeros and no text (which no check accepts).
+struct Headers {
+  std::vector<std::vector<std::int64_t>> fields;
+  std::vector<std::string> reasons;
+};
+Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+                     const std::vector<std::int64_t>& received, std::int64_t header_bytes,
+                     std::int64_t fields);
 
 // The fields of the rows of a received buffer, rows grouped by source rank in rank order: rows[p]
 // rows start at slot_offsets[p] + header_bytes. Returns one [N, sizes[f]] uint8 tensor per field.
@@ -57,5 +75,26 @@ std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::in
                                const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
                                std::int64_t stride, const std::vector<std::int64_t>& offsets,
                                const std::vector<std::int64_t>& sizes);
+
+// Normal dispatch, receive side: global expert ids ([N, k] int32) to local ids (id - lo where
+// lo <= id < lo + experts_here, else -1), as int64; zeroes weights ([N, k] float32, may be
+// undefined) in place where the id is not local; and counts each local expert's rows, rounded up
+// to `alignment`.
+struct LocalIds {
+  at::Tensor local;
+  std::vector<std::int64_t> per_expert;
+};
+LocalIds local_ids(const at::Tensor& gid, const at::Tensor& weights, std::int64_t lo,
+                   std::int64_t experts_here, std::int64_t alignment);
+
+// Normal combine, send side of dispatch: sums the rows that came back into [T, H] per token
+// (row i adds to token order[i]), in float32, and casts once to bfloat16. The rows are in `recv`
+// as unpack() reads them, their bf16 payload at x_offset; with k > 0 also k float32 weights at
+// w_offset, summed into [T, k] the same way (else that result is undefined).
+std::vector<at::Tensor> combine_sum(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+                                    const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
+                                    std::int64_t stride, std::int64_t x_offset, std::int64_t hidden,
+                                    std::int64_t w_offset, std::int64_t k, const at::Tensor& order,
+                                    std::int64_t tokens);
 
 }  // namespace commux::ep
