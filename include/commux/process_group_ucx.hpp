@@ -134,20 +134,23 @@ class ProcessGroupUCX : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts) override;
 
   // The sparse all-to-all under commux.ep (expert-parallel dispatch and combine), on the calling
-  // thread: the first send_bytes[0] bytes of `send` (a contiguous 1-D uint8 tensor, host or device)
-  // go to rank 0, the next send_bytes[1] to rank 1, and so on; what rank p sends this rank lands
-  // in `recv` at recv_offsets[p], in a slot of recv_capacity[p] bytes. Returns the bytes received
-  // from each rank, -1 for a message longer than its slot (not an error here: commux.ep reports
-  // what it means). Every request is waited for, even after another failed. Zero-byte sends
-  // are not sent and zero-byte slots not posted. The messages travel on an internal tag drawn
-  // from the group's collective sequence, so every rank must call it in the same order relative
-  // to the group's collectives. On any failure nothing stays posted into the caller's memory.
-  // `timeout` 0 means the group's timeout.
-  std::vector<std::int64_t> exchange_bytes(const std::string& op, const at::Tensor& send,
-                                           const std::vector<std::int64_t>& send_bytes,
-                                           const at::Tensor& recv,
-                                           const std::vector<std::int64_t>& recv_offsets,
-                                           const std::vector<std::int64_t>& recv_capacity,
+  // thread, in lanes: the message to rank p is one multi-buffer message holding, for every lane l
+  // where it is not empty, lane l's part for p (send_bytes[l][p] bytes of sends[l], contiguous
+  // 1-D uint8, parts in rank order); lane l's part from rank p lands in recvs[l] at
+  // recv_offsets[l][p], in a slot of recv_capacity[l][p] bytes. Both sides must leave out the same
+  // empty parts, i.e. know each other's sizes (commux.ep sends fixed-size headers first, by this
+  // same call). Host or device memory, per lane. Returns the total bytes received from each rank,
+  // -1 for a message longer than its slots (not an error here: commux.ep reports what it means).
+  // Every request is waited for, even after another failed, so this rank's messages still reach
+  // the ranks that wait for them. The messages travel on an internal tag drawn from the group's
+  // collective sequence: every rank must call it in the same order relative to the group's
+  // collectives. On any failure nothing stays posted into the caller's memory. `timeout` 0 means
+  // the group's timeout.
+  std::vector<std::int64_t> exchange_lanes(const std::string& op, const std::vector<at::Tensor>& sends,
+                                           const std::vector<std::vector<std::int64_t>>& send_bytes,
+                                           const std::vector<at::Tensor>& recvs,
+                                           const std::vector<std::vector<std::int64_t>>& recv_offsets,
+                                           const std::vector<std::vector<std::int64_t>>& recv_capacity,
                                            std::chrono::milliseconds timeout);
 
   // Cancels what is still in flight (its Works fail with "shut down"), stops the worker thread and

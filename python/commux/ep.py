@@ -10,18 +10,18 @@ Code written for DeepEP (or UCCL-EP, which copies its API) moves over by changin
         topk_idx=topk_idx, topk_weights=topk_weights)
     y, y_w, _ = buf.combine(expert_out, handle, topk_weights=recv_w)
 
-How it travels. Every call is one sparse all-to-all: to each rank, one message holding a
-fixed-size header (which call this is, its sizes, how many rows follow, or why this rank rejected
-the call) followed by all of that rank's rows, each row packed with its metadata (source row,
-expert ids, weights, fp8 scales). Receives land in a buffer the Buffer keeps, one slot per source
-sized for the most a source may send (``max_tokens_per_rank`` rows in normal mode,
-``num_max_dispatch_tokens_per_rank`` x top-k in low-latency mode, exact sizes in combine). On a
-group whose backend is commux ("ucx"/"commux") that is ``ProcessGroupUCX._exchange_bytes``, on
-the calling thread, with an internal tag drawn from the group's collective sequence: it can never
-match the user's own point-to-point traffic, a collective, or another Buffer's call. On any other
-backend (gloo) the same message goes through ``all_to_all_single`` (sizes first, then bytes), so
-the two can be compared on one API. Packing and unpacking are C++ loops on CPU tensors and ATen
-operations on device tensors (``src/c10d/ep_kernels.cpp``).
+How it travels. Every call is a sparse all-to-all in two steps, on the calling thread. First a
+fixed-size header to every rank: which call this is, its sizes, how many rows follow, or why this
+rank rejected the call. Then one message per destination that carries all of its rows, in lanes:
+the payload rows (which land directly in ``recv_x``; in combine the expert output is sent as it
+is) and, where there is any, a lane of per-row metadata packed together (source row, expert ids,
+weights, fp8 scales). Both sides know every size from the headers, so every receive is posted for
+exactly what arrives. On a group whose backend is commux ("ucx"/"commux") that is
+``ProcessGroupUCX._exchange_lanes``, with an internal tag drawn from the group's collective
+sequence: it can never match the user's own point-to-point traffic, a collective, or another
+Buffer's call. On any other backend (gloo) each lane is one ``all_to_all_single`` with uneven
+splits, so the two can be compared on one API. Routing, packing, unpacking and the combine's sums
+are C++ loops on CPU tensors and ATen operations on device tensors (``src/c10d/ep_kernels.cpp``).
 
 Errors. Every rank validates its own call and sends the verdict in its header, so bad input on one
 rank fails the call on every rank, promptly, never a hang: the rank with the bad input raises
@@ -145,33 +145,23 @@ class _Ucx:
     def __init__(self, pg):
         self.pg = pg
 
-    def exchange(self, op, send, send_bytes, recv, offsets, capacity, timeout_ms):
-        return self.pg._exchange_bytes(op, send, send_bytes, recv, offsets, capacity, timeout_ms)
+    def exchange_lanes(self, op, sends, send_bytes, recvs, offsets, caps, timeout_ms):
+        return self.pg._exchange_lanes(op, sends, send_bytes, recvs, offsets, caps, timeout_ms)
 
 
 class _AllToAll:
-    """Any other backend: the sizes, then the bytes, each with one all_to_all_single."""
+    """Any other backend: each lane as one all_to_all_single with uneven splits (the sizes are
+    known to both sides, as on the commux path)."""
 
     def __init__(self, group):
         self.group = group
 
-    def exchange(self, op, send, send_bytes, recv, offsets, capacity, timeout_ms):
-        R = len(send_bytes)
-        sizes = torch.empty(R, dtype=torch.int64)
-        dist.all_to_all_single(sizes, torch.tensor(send_bytes, dtype=torch.int64), group=self.group)
-        got = sizes.tolist()
-        tmp = torch.empty(sum(got), dtype=torch.uint8, device=send.device)
-        dist.all_to_all_single(tmp, send, output_split_sizes=got, input_split_sizes=list(send_bytes),
-                               group=self.group)
-        pos = 0
-        for p in range(R):
-            n = got[p]
-            if n <= capacity[p]:
-                recv[offsets[p]:offsets[p] + n].copy_(tmp[pos:pos + n])
-            else:
-                got[p] = -1  # longer than its slot, as the commux path reports it
-            pos += n
-        return got
+    def exchange_lanes(self, op, sends, send_bytes, recvs, offsets, caps, timeout_ms):
+        for send, sb, recv, off, cap in zip(sends, send_bytes, recvs, offsets, caps):
+            out = recv[off[0]:off[0] + sum(cap)] if cap else recv[:0]
+            dist.all_to_all_single(out, send, output_split_sizes=list(cap), input_split_sizes=list(sb),
+                                   group=self.group)
+        return [sum(c[p] for c in caps) for p in range(len(caps[0]))]
 
 
 # COMMUX_EP_ATEN=1: pack and unpack host tensors with the device path's ATen operations, so the
@@ -200,7 +190,12 @@ def _quantize_fp8(x: torch.Tensor, round_scale: bool):
 
 
 class _Call:
-    """One call's message: the header fields, the rows for each rank and how to pack them."""
+    """One call: its header fields, the rows for each rank, and the two steps that move them.
+
+    Step 1 sends every rank a header (this call, its sizes, the rows that follow, or why this
+    rank rejected the call) and checks every rank's. Step 2 moves the rows in lanes (the payload
+    in one, the metadata packed row by row in another, ...), one multi-buffer message per rank,
+    with every size known to both sides. A lane can land directly in a result tensor."""
 
     def __init__(self, buf: "Buffer", op: str, kind: int):
         self.buf, self.op = buf, op
@@ -209,22 +204,25 @@ class _Call:
         self.hdr[_H_MAGIC], self.hdr[_H_KIND] = _MAGIC, kind
         self.hdr[_H_BUFFER], self.hdr[_H_CALL], self.hdr[_H_LAYOUT] = buf._id, self.number, -1
         self.device = torch.device("cpu")
-        self.send = None
+        self.lanes = []
 
-    def pack(self, counts, layout, parts, index=None, row_parts=(), sizes_known=False):
-        """The message for every rank: its rows (fields named by layout), with the header in
-        front when the receivers know the sizes (combine: one step), else sent first on its own
-        (dispatch: the header tells each rank how many rows follow)."""
-        self.counts, self.layout, self.inline = counts, layout, sizes_known
-        self.hdr[_H_STRIDE] = layout.stride
+    def lane(self, rows: torch.Tensor, row_bytes: int):
+        """A lane of the message: rows ([S, ...], grouped by destination rank as self.counts)."""
+        self.lanes.append((rows.reshape(-1).view(torch.uint8) if rows.numel() else
+                           torch.empty(0, dtype=torch.uint8, device=rows.device), row_bytes))
+
+    def meta(self, layout, parts, index=None, row_parts=()):
+        """A lane of small per-row fields packed at layout's offsets (parts indexed by `index`,
+        row_parts already in row order)."""
         names = [n for n in parts if layout.offsets[n][1]]
         rnames = [n for n, _ in row_parts if layout.offsets[n][1]]
         rows = dict(row_parts)
-        heads = self._headers(counts, layout.stride)
-        self.heads = None if sizes_known else heads.view(-1)
-        self.send = _C._ep_pack(heads if sizes_known else heads[:, :0], [parts[n] for n in names],
-                                [layout.offset(n) for n in names], index, [rows[n] for n in rnames],
-                                [layout.offset(n) for n in rnames], counts, layout.stride)
+        self.layout = layout
+        packed = _C._ep_pack(self._headers([0] * self.buf.group_size, 0)[:, :0],
+                             [parts[n] for n in names], [layout.offset(n) for n in names], index,
+                             [rows[n] for n in rnames], [layout.offset(n) for n in rnames],
+                             self.counts, layout.stride)
+        self.lanes.append((packed, layout.stride))
 
     def _headers(self, counts, stride, reason=""):
         return _C._ep_make_headers(self.hdr, reason, _H_LEN, _H_ROWS, _H_BYTES, counts, stride)
@@ -236,54 +234,64 @@ class _Call:
         self.hdr[_H_STATUS] = 1
         reason = str(e) if isinstance(e, _Rejected) else f"{type(e).__name__}: {e}"
         try:
-            heads = self._headers([0] * R, 0, reason).view(-1).to(self.device)
-            # The slots are only a header long: a rank that sends rows to this one (combine) is
-            # cut short (reported as -1 here, and ignored), never left waiting.
-            recv = torch.empty(R * _HDR_BYTES, dtype=torch.uint8, device=self.device)
-            buf._transport.exchange(self.op, heads, [_HDR_BYTES] * R, recv,
-                                    [p * _HDR_BYTES for p in range(R)], [_HDR_BYTES] * R, buf._timeout_ms)
+            hb = [_HDR_BYTES] * R
+            buf._transport.exchange_lanes(self.op, [self._headers([0] * R, 0, reason).view(-1)], [hb],
+                                          [torch.empty(R * _HDR_BYTES, dtype=torch.uint8)],
+                                          [list(range(0, R * _HDR_BYTES, _HDR_BYTES))], [hb],
+                                          buf._timeout_ms)
         except Exception:  # noqa: BLE001  (this rank's own reason is the error to report)
             pass
         if not isinstance(e, _Rejected):
             raise e
         raise ValueError(f"commux {self.op} (rank {buf.rank} of {R}): {e}") from None
 
-    def _send(self, send, send_bytes, caps, device):
-        buf = self.buf
-        offsets = list(itertools.accumulate([0] + caps[:-1]))
-        recv = buf._recv_buffer(offsets[-1] + caps[-1], device)
-        try:
-            got = buf._transport.exchange(self.op, send, send_bytes, recv, offsets, caps, buf._timeout_ms)
-        except BaseException:
-            buf._recv_buffers.pop(device, None)  # it may still be written: never reuse it
-            raise
-        return recv, offsets, got
-
-    def exchange(self, slot_rows=None):
-        """Sends the packed messages and checks every rank's header. With the sizes known
-        (slot_rows[p]: the rows rank p sends here) it is one step, the headers in front of the
-        rows; otherwise the headers go first and the rows follow with their sizes known. Returns
-        (recv, offsets, rows per rank, header bytes in front of each slot)."""
-        R = self.buf.group_size
-        stride = self.layout.stride
-        if self.inline:
-            caps = [_HDR_BYTES + r * stride for r in slot_rows]
-            recv, offsets, got = self._send(self.send, [_HDR_BYTES + c * stride for c in self.counts],
-                                            caps, self.device)
-            rows = self._check(recv, offsets, got, caps)
-            return recv, offsets, rows, _HDR_BYTES
+    def exchange(self, outputs=()):
+        """Both steps. outputs[l], where given, makes lane l's rows land in a new tensor:
+        outputs[l](rows received) returns it (flat bytes are taken from it); other lanes land in
+        the Buffer's kept receive memory. Returns ([lane tensors], rows from each rank)."""
+        buf, R = self.buf, self.buf.group_size
         hb = [_HDR_BYTES] * R
-        heads = self.heads if self.device.type == "cpu" else self.heads.to(self.device)
-        recv, offsets, got = self._send(heads, hb, hb, torch.device("cpu") if self.device.type == "cpu"
-                                        else self.device)
-        rows = self._check(recv, offsets, got, hb)
-        recv, offsets, _ = self._send(self.send, [c * stride for c in self.counts],
-                                      [r * stride for r in rows], self.device)
-        return recv, offsets, rows, 0
+        heads = self._headers(self.counts, self.hdr[_H_STRIDE]).view(-1)
+        offsets = list(range(0, R * _HDR_BYTES, _HDR_BYTES))
+        got_heads = buf._slots("headers", R * _HDR_BYTES, torch.device("cpu"))
+        got = self._send([heads], [hb], [got_heads], [offsets], [hb])
+        rows = self._check(got_heads, offsets, got, hb)
+        N = sum(rows)
+        sends, send_bytes, recvs, recv_offsets, caps, results = [], [], [], [], [], []
+        for l, (data, rb) in enumerate(self.lanes):
+            need = [r * rb for r in rows]
+            make = outputs[l] if l < len(outputs) else None
+            if make is not None:
+                res = make(N)
+                flat = res.reshape(-1).view(torch.uint8) if res.numel() else \
+                    torch.empty(0, dtype=torch.uint8, device=self.device)
+            else:
+                flat = res = buf._slots(l, N * rb, self.device)
+            sends.append(data)
+            send_bytes.append([c * rb for c in self.counts])
+            recvs.append(flat)
+            recv_offsets.append(list(itertools.accumulate([0] + need[:-1])))
+            caps.append(need)
+            results.append(res)
+        got = self._send(sends, send_bytes, recvs, recv_offsets, caps)
+        for p in range(R):
+            if got[p] != sum(c[p] for c in caps):
+                raise _backend_error(f"commux {self.op} (rank {buf.rank} of {R}): rank {p} sent "
+                                     f"{got[p]} bytes where its header announced {sum(c[p] for c in caps)}")
+        return results, rows
+
+    def _send(self, sends, send_bytes, recvs, offsets, caps):
+        buf = self.buf
+        try:
+            return buf._transport.exchange_lanes(self.op, sends, send_bytes, recvs, offsets, caps,
+                                                 buf._timeout_ms)
+        except BaseException:
+            buf._kept.clear()  # the memory may still be written: never reuse it
+            raise
 
     def _check(self, recv, offsets, got, caps):
         """Every rank's header: rejected calls, cut-short messages, another call, disagreements."""
-        R, me, stride = self.buf.group_size, self.buf.rank, self.layout.stride
+        R, me = self.buf.group_size, self.buf.rank
         peers, reasons = _C._ep_read_headers(recv, offsets, got, _HDR_BYTES, _H_TEXT)
         who = f"commux {self.op} (rank {me} of {R})"
         for p, row in enumerate(peers):
@@ -291,13 +299,9 @@ class _Call:
                 why = reasons[p].decode(errors="replace")
                 raise _backend_error(f"{who}: rank {p} rejected its {_KINDS.get(row[_H_KIND], 'call')}: {why}")
         for p, row in enumerate(peers):
-            if got[p] < 0:
-                raise ValueError(f"{who}: rank {p} sent more than the {caps[p]} bytes this rank "
-                                 "expects from it: the ranks differ in hidden size, dtype or top-k, "
-                                 "or do not make the same call")
-            if row[_H_MAGIC] != _MAGIC:
-                raise _backend_error(f"{who}: rank {p}'s message is not an ep call's: does every rank "
-                                     "make the same calls on the group in the same order?")
+            if got[p] != _HDR_BYTES or row[_H_MAGIC] != _MAGIC:
+                raise _backend_error(f"{who}: rank {p}'s message is not an ep call's header: does "
+                                     "every rank make the same calls on the group in the same order?")
         for p, row in enumerate(peers):
             for field, words in _MUST_AGREE:
                 if row[field] != self.hdr[field]:
@@ -305,16 +309,14 @@ class _Call:
                     names = _KINDS if field == _H_KIND else _DTYPES if field == _H_DTYPE else {}
                     raise ValueError(f"{who}: the {words} differs across ranks: this rank has "
                                      f"{names.get(mine, mine)}, rank {p} has {names.get(theirs, theirs)}")
-            if self.inline and got[p] != _HDR_BYTES + row[_H_ROWS] * stride:
-                raise _backend_error(f"{who}: rank {p} sent {got[p]} bytes for {row[_H_ROWS]} rows")
         return [row[_H_ROWS] for row in peers]
 
-    def fields(self, received, names):
-        """The named fields of the received rows, as [N, bytes] uint8 tensors."""
-        recv, offsets, rows, hb = received
+    def fields(self, recv, rows, names):
+        """The named fields of the metadata lane's received rows, as [N, bytes] uint8 tensors."""
         lay = self.layout
-        return _C._ep_unpack(recv, offsets, rows, hb, lay.stride,
-                             [lay.offset(n) for n in names], [lay.offsets[n][1] for n in names])
+        return _C._ep_unpack(recv, list(itertools.accumulate([0] + [r * lay.stride for r in rows[:-1]])),
+                             rows, 0, lay.stride, [lay.offset(n) for n in names],
+                             [lay.offsets[n][1] for n in names])
 
 
 class Buffer:
@@ -360,7 +362,7 @@ class Buffer:
             self._id = _next_ids.get(self.group, 0)
             _next_ids[self.group] = self._id + 1
         self._calls = itertools.count()
-        self._recv_buffers: dict = {}
+        self._kept: dict = {}
         self._destroyed = False
 
     # --- DeepEP's static helpers --------------------------------------------------------------
@@ -396,7 +398,7 @@ class Buffer:
     def destroy(self) -> None:
         """Releases the Buffer's memory; later calls on it fail (on every rank)."""
         self._destroyed = True
-        self._recv_buffers.clear()
+        self._kept.clear()
 
     # --- layout (local: no communication) ------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
@@ -474,23 +476,27 @@ class Buffer:
                 hdr[_H_LAYOUT] = c.number
             hdr[_H_TOPK], hdr[_H_EXPERTS] = k, E
             cached = handle is not None
-            layout = self._row_layout(H, scales is not None, 0 if cached else k, weights)
-            parts = {"x": xv}
-            if scales is not None:
-                parts["scales"] = scales
-            if not cached:
-                parts["idx"] = topk_idx.to(torch.int32)
-                if weights:
-                    parts["w"] = topk_weights
-            c.pack(counts, layout, parts, order, () if cached else (("src", order.to(torch.int32)),))
+            c.counts = counts
+            # Lane 0: the payload, rows by destination (it lands in recv_x itself); lane 1 (when
+            # there is metadata): scales, expert ids, weights and source rows, packed per row.
+            xb = xv.view(torch.uint8)
+            c.lane(xb.index_select(0, order if xb.device.type == "cpu" else order.to(xb.device)), xb.shape[1])
+            names = (["scales"] if scales is not None else []) + ([] if cached else ["idx", "src"]) + (
+                ["w"] if weights and not cached else [])
+            if names:
+                parts = {"scales": scales} if scales is not None else {}
+                if not cached:
+                    parts["idx"] = topk_idx.to(torch.int32)
+                    if weights:
+                        parts["w"] = topk_weights
+                c.meta(self._meta_layout(H, scales is not None, 0 if cached else k, weights and not cached),
+                       parts, order, () if cached else (("src", order.to(torch.int32)),))
+            hdr[_H_STRIDE] = c.layout.stride if names else 0
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
             c.reject(e)
-        got = c.exchange()
-        recv_counts = got[2]
+        lanes, recv_counts = c.exchange([lambda n: torch.empty((n, H), dtype=xv.dtype, device=xv.device)])
         N = sum(recv_counts)
-        names = ["x"] + (["scales"] if scales is not None else []) + ([] if cached else ["idx", "src"]) + (
-            ["w"] if weights and not cached else [])
-        f = dict(zip(names, c.fields(got, names)))
+        f = dict(zip(names, c.fields(lanes[1], recv_counts, names))) if names else {}
         # What only this rank can see fails here, after the exchange, so no rank is left waiting.
         if cached and recv_counts != handle._recv_counts:
             raise _backend_error(f"commux ep dispatch (rank {me} of {R}): the cached handle expects "
@@ -498,7 +504,7 @@ class Buffer:
         if num_worst_tokens and N > num_worst_tokens:
             raise ValueError(f"commux ep dispatch (rank {me} of {R}): {N} rows arrived, more than "
                              f"num_worst_tokens={num_worst_tokens}")
-        recv_x = f["x"].view(xv.dtype)
+        recv_x = lanes[0]
         if scales is not None:
             recv_x = (recv_x, f["scales"].view(torch.float32))
         if num_worst_tokens:
@@ -542,19 +548,18 @@ class Buffer:
             H = x.shape[1]
             if topk_weights is not None:
                 self._check_2d(topk_weights, N, h._topk, (torch.float32,), "topk_weights")
-            layout = _Layout([("x", 2 * H), ("w", 4 * h._topk if topk_weights is not None else 0)])
             hdr[_H_HIDDEN], hdr[_H_DTYPE], hdr[_H_TOPK], hdr[_H_EXPERTS] = H, 1, h._topk, h._experts
-            hdr[_H_TOKENS] = N
-            parts = {"x": x}
+            hdr[_H_TOKENS], hdr[_H_STRIDE] = N, 2 * H
+            # The rows go back as they are (grouped by source rank: the order they came in).
+            c.counts = h._recv_counts
+            c.lane(x.contiguous(), 2 * H)
             if topk_weights is not None:
-                parts["w"] = topk_weights
-            c.pack(h._recv_counts, layout, parts, sizes_known=True)
+                c.lane(topk_weights.contiguous(), 4 * h._topk)
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
             c.reject(e)
-        recv, offsets, rows, hb = c.exchange(h._send_counts)
-        k = h._topk if topk_weights is not None else 0
-        combined, combined_w = _C._ep_combine_sum(recv, offsets, rows, hb, layout.stride,
-                                                  layout.offset("x"), H, layout.offset("w"), k,
+        lanes, _ = c.exchange()
+        back_w = lanes[1].view(torch.float32).view(-1, h._topk) if topk_weights is not None else None
+        combined, combined_w = _C._ep_combine_sum(lanes[0].view(torch.bfloat16).view(-1, H), back_w,
                                                   h._order, h._tokens)
         return combined, combined_w, self._event(x)
 
@@ -596,24 +601,23 @@ class Buffer:
             if err:
                 raise _Rejected(err)
             k = topk_idx.shape[1]
-            layout = _Layout([("x", H if use_fp8 else 2 * H),
-                              ("scales", 4 * (H // _FP8_BLOCK) if use_fp8 else 0),
-                              ("src", 4), ("expert", 4)])
             hdr[_H_HIDDEN], hdr[_H_TOKENS], hdr[_H_DTYPE] = H, T, 2 if use_fp8 else 1
             hdr[_H_TOPK], hdr[_H_EXPERTS] = k, E
+            c.counts = counts
+            parts = {}
             if use_fp8:
-                q, s = _quantize_fp8(x, round_scale)
-                parts = {"x": q, "scales": s}
-            else:
-                parts = {"x": x}
-            c.pack(counts, layout, parts, tok, (("src", tok.to(torch.int32)), ("expert", expert)))
+                q, parts["scales"] = _quantize_fp8(x, round_scale)
+            xb = (q if use_fp8 else x).view(torch.uint8)
+            c.lane(xb.index_select(0, tok if xb.device.type == "cpu" else tok.to(xb.device)), xb.shape[1])
+            layout = _Layout([("scales", 4 * (H // _FP8_BLOCK) if use_fp8 else 0), ("src", 4), ("expert", 4)])
+            c.meta(layout, parts, tok, (("src", tok.to(torch.int32)), ("expert", expert)))
+            hdr[_H_STRIDE] = layout.stride
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
             c.reject(e)
         epr = E // R
-        got = c.exchange()
-        recv_counts = got[2]
-        names = ["x"] + (["scales"] if use_fp8 else []) + ["src", "expert"]
-        f = dict(zip(names, c.fields(got, names)))
+        lanes, recv_counts = c.exchange()
+        names = (["scales"] if use_fp8 else []) + ["src", "expert"]
+        f = dict(zip(names, c.fields(lanes[1], recv_counts, names)))
         dev = x.device
         N = sum(recv_counts)
         e_local = f["expert"].view(torch.int32).view(-1).to(torch.int64) - me * epr
@@ -626,7 +630,7 @@ class Buffer:
         pos[by_e] = torch.arange(N, device=dev) - (torch.cumsum(recv_count, 0) - recv_count)[e_local[by_e]]
         dt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         recv_x = torch.empty((epr, cap * R, H), dtype=dt, device=dev)
-        recv_x[e_local, pos] = f["x"].view(dt)
+        recv_x[e_local, pos] = lanes[0].view(dt).view(N, H)
         if use_fp8:
             recv_s = torch.empty((epr, cap * R, H // _FP8_BLOCK), dtype=torch.float32, device=dev)
             recv_s[e_local, pos] = f["scales"].view(torch.float32)
@@ -669,19 +673,21 @@ class Buffer:
             self._check_2d(topk_weights, h._tokens, h._topk, (torch.float32,), "topk_weights")
             if out is not None:
                 self._check_2d(out, h._tokens, H, (torch.bfloat16,), "out")
-            layout = _Layout([("x", 2 * H)])
             hdr[_H_HIDDEN], hdr[_H_DTYPE], hdr[_H_TOPK], hdr[_H_EXPERTS] = H, 1, h._topk, E
-            hdr[_H_TOKENS] = h._tokens
-            c.pack(h._recv_counts, layout, {"x": x.reshape(-1, H)}, h._gather, sizes_known=True)
+            hdr[_H_TOKENS], hdr[_H_STRIDE] = h._tokens, 2 * H
+            c.counts = h._recv_counts
+            rows = x.reshape(-1, H)
+            c.lane(rows.index_select(0, h._gather if rows.device.type == "cpu" else h._gather.to(rows.device)),
+                   2 * H)
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
             c.reject(e)
-        (back,) = c.fields(c.exchange(h._send_counts), ["x"])
+        (back,), _ = c.exchange()
         dev = x.device
         tok = h._tok if dev.type == "cpu" else h._tok.to(dev)
         slot = h._slot if dev.type == "cpu" else h._slot.to(dev)
         w = topk_weights[tok, slot].unsqueeze(1)
         acc = torch.zeros((h._tokens, H), dtype=torch.float32, device=dev)
-        acc.index_add_(0, tok, back.view(torch.bfloat16).float() * w)
+        acc.index_add_(0, tok, back.view(torch.bfloat16).view(-1, H).float() * w)
         combined = acc.to(torch.bfloat16)
         if out is not None:
             combined = out.copy_(combined)
@@ -699,13 +705,14 @@ class Buffer:
     def _next_call(self) -> int:
         return next(self._calls)
 
-    def _recv_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """The receive slots, kept across calls (their pages stay mapped) and grown as needed."""
-        b = self._recv_buffers.get(device)
+    def _slots(self, lane, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Receive memory of one lane, kept across calls (its pages stay mapped) and grown as
+        needed; what a call returns is always copied out of it (or computed from it)."""
+        b = self._kept.get((lane, device))
         if b is None or b.numel() < nbytes:
-            b = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self._recv_buffers[device] = b
-        return b
+            b = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self._kept[(lane, device)] = b
+        return b[:nbytes]
 
     def _check_live(self):
         if self._destroyed:
@@ -785,9 +792,9 @@ class Buffer:
                 raise _Rejected(f"{name} does not match topk_idx (pass get_dispatch_layout's result)")
 
     @staticmethod
-    def _row_layout(H, fp8, k, weights):
-        return _Layout([("x", H if fp8 else 2 * H), ("scales", 4 * (H // _FP8_BLOCK) if fp8 else 0),
-                        ("idx", 4 * k), ("w", 4 * k if weights else 0), ("src", 4)])
+    def _meta_layout(H, fp8, k, weights):
+        return _Layout([("scales", 4 * (H // _FP8_BLOCK) if fp8 else 0), ("idx", 4 * k),
+                        ("w", 4 * k if weights else 0), ("src", 4 if k else 0)])
 
     @staticmethod
     def _pad_rows(t, n, fill=0):

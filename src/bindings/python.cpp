@@ -84,15 +84,15 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("timeout", &commux::ProcessGroupUCX::timeout)
       .def(
-          "_exchange_bytes",
-          [](commux::ProcessGroupUCX& pg, const std::string& op, const at::Tensor& send,
-             const std::vector<std::int64_t>& send_bytes, const at::Tensor& recv,
-             const std::vector<std::int64_t>& recv_offsets,
-             const std::vector<std::int64_t>& recv_capacity, std::int64_t timeout_ms) {
-            return pg.exchange_bytes(op, send, send_bytes, recv, recv_offsets, recv_capacity,
+          "_exchange_lanes",
+          [](commux::ProcessGroupUCX& pg, const std::string& op, const std::vector<at::Tensor>& sends,
+             const std::vector<std::vector<std::int64_t>>& send_bytes, const std::vector<at::Tensor>& recvs,
+             const std::vector<std::vector<std::int64_t>>& recv_offsets,
+             const std::vector<std::vector<std::int64_t>>& recv_capacity, std::int64_t timeout_ms) {
+            return pg.exchange_lanes(op, sends, send_bytes, recvs, recv_offsets, recv_capacity,
                                      std::chrono::milliseconds(timeout_ms));
           },
-          py::arg("op"), py::arg("send"), py::arg("send_bytes"), py::arg("recv"),
+          py::arg("op"), py::arg("sends"), py::arg("send_bytes"), py::arg("recvs"),
           py::arg("recv_offsets"), py::arg("recv_capacity"), py::arg("timeout_ms") = 0,
           py::call_guard<py::gil_scoped_release>(),
           "commux.ep's sparse all-to-all of byte tensors on internal tags (see process_group_ucx.hpp)")
@@ -153,18 +153,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gid"), py::arg("weights"), py::arg("lo"), py::arg("experts_here"), py::arg("alignment"));
   m.def(
       "_ep_combine_sum",
-      [](const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-         const std::vector<std::int64_t>& rows, std::int64_t header_bytes, std::int64_t stride,
-         std::int64_t x_offset, std::int64_t hidden, std::int64_t w_offset, std::int64_t k,
-         const at::Tensor& order, std::int64_t tokens) {
+      [](const at::Tensor& x, const std::optional<at::Tensor>& weights, const at::Tensor& order,
+         std::int64_t tokens) {
         std::vector<at::Tensor> r;
         {
           py::gil_scoped_release nogil;
-          r = commux::ep::combine_sum(recv, slot_offsets, rows, header_bytes, stride, x_offset, hidden,
-                                      w_offset, k, order, tokens);
+          r = commux::ep::combine_sum(x, weights ? *weights : at::Tensor(), order, tokens);
         }
         return py::make_tuple(r[0], r[1]);
-      });
+      },
+      py::arg("x"), py::arg("weights"), py::arg("order"), py::arg("tokens"));
 
   m.def("choose_transports", &choose_transports, py::arg("accelerator"), py::arg("available"),
         py::arg("user_tls") = py::none(),

@@ -1,4 +1,4 @@
-// ProcessGroupUCX::exchange_bytes: the sparse all-to-all under commux.ep (expert-parallel dispatch
+// ProcessGroupUCX::exchange_lanes: the sparse all-to-all under commux.ep (expert-parallel dispatch
 // and combine). Everything happens on the calling thread: no worker-thread hand-off, one message
 // per peer that has bytes to receive, self's part copied locally.
 //
@@ -47,33 +47,52 @@ std::int64_t checked_total(const std::string& op, const std::vector<std::int64_t
 
 }  // namespace
 
-std::vector<std::int64_t> ProcessGroupUCX::exchange_bytes(
-    const std::string& op, const at::Tensor& send, const std::vector<std::int64_t>& send_bytes,
-    const at::Tensor& recv, const std::vector<std::int64_t>& recv_offsets,
-    const std::vector<std::int64_t>& recv_capacity, std::chrono::milliseconds timeout) {
+std::vector<std::int64_t> ProcessGroupUCX::exchange_lanes(
+    const std::string& op, const std::vector<at::Tensor>& sends,
+    const std::vector<std::vector<std::int64_t>>& send_bytes, const std::vector<at::Tensor>& recvs,
+    const std::vector<std::vector<std::int64_t>>& recv_offsets,
+    const std::vector<std::vector<std::int64_t>>& recv_capacity, std::chrono::milliseconds timeout) {
   const int size = getSize();
   const int me = getRank();
-  for (const auto* t : {&send, &recv}) {
-    if (!t->defined() || t->scalar_type() != at::kByte || t->dim() != 1 || !t->is_contiguous()) {
-      bad(op, std::string(t == &send ? "the send" : "the receive") +
-                  " buffer must be a contiguous 1-D uint8 tensor");
+  const std::size_t L = sends.size();
+  if (L == 0 || send_bytes.size() != L || recvs.size() != L || recv_offsets.size() != L ||
+      recv_capacity.size() != L) {
+    bad(op, "needs the same number (>= 1) of send tensors, send sizes, receive tensors, offsets and capacities");
+  }
+  std::vector<std::vector<std::int64_t>> send_off(L);
+  std::vector<MemoryType> send_mem(L), recv_mem(L);
+  std::vector<at::Tensor> all;
+  for (std::size_t l = 0; l < L; ++l) {
+    for (const auto* t : {&sends[l], &recvs[l]}) {
+      if (!t->defined() || t->scalar_type() != at::kByte || t->dim() != 1 || !t->is_contiguous()) {
+        bad(op, std::string(t == &sends[l] ? "a send" : "a receive") +
+                    " buffer must be a contiguous 1-D uint8 tensor");
+      }
+      all.push_back(*t);
     }
-  }
-  const std::int64_t send_total = checked_total(op, send_bytes, "send_bytes", size);
-  checked_total(op, recv_capacity, "recv_capacity", size);
-  checked_total(op, recv_offsets, "recv_offsets", size);
-  if (send_total != send.numel()) {
-    bad(op, "send_bytes add up to " + std::to_string(send_total) + " bytes, the send buffer holds " +
-                std::to_string(send.numel()));
-  }
-  for (int p = 0; p < size; ++p) {
-    if (recv_offsets[p] + recv_capacity[p] > recv.numel()) {
-      bad(op, "the receive slot of rank " + std::to_string(p) + " lies outside the receive buffer");
+    const std::int64_t send_total = checked_total(op, send_bytes[l], "send_bytes", size);
+    checked_total(op, recv_capacity[l], "recv_capacity", size);
+    checked_total(op, recv_offsets[l], "recv_offsets", size);
+    if (send_total != sends[l].numel()) {
+      bad(op, "send_bytes add up to " + std::to_string(send_total) + " bytes, the send buffer holds " +
+                  std::to_string(sends[l].numel()));
     }
-  }
-  if (send_bytes[me] > recv_capacity[me]) {
-    bad(op, "this rank sends itself " + std::to_string(send_bytes[me]) + " bytes, more than its " +
-                std::to_string(recv_capacity[me]) + "-byte slot");
+    for (int p = 0; p < size; ++p) {
+      if (recv_offsets[l][p] + recv_capacity[l][p] > recvs[l].numel()) {
+        bad(op, "the receive slot of rank " + std::to_string(p) + " lies outside the receive buffer");
+      }
+    }
+    if (send_bytes[l][me] > recv_capacity[l][me]) {
+      bad(op, "this rank sends itself " + std::to_string(send_bytes[l][me]) + " bytes, more than its " +
+                  std::to_string(recv_capacity[l][me]) + "-byte slot");
+    }
+    send_off[l].assign(size + 1, 0);
+    for (int p = 0; p < size; ++p) send_off[l][p + 1] = send_off[l][p] + send_bytes[l][p];
+    auto mem_of = [&](const at::Tensor& t) {
+      return on_device(t) ? memory_type_of(op.c_str(), t, "tensor") : MemoryType::kHost;
+    };
+    send_mem[l] = mem_of(sends[l]);
+    recv_mem[l] = mem_of(recvs[l]);
   }
   std::uint32_t tag = 0;
   {
@@ -81,19 +100,11 @@ std::vector<std::int64_t> ProcessGroupUCX::exchange_bytes(
     if (stopping_) bad(op, "the process group (" + where() + ") has been shut down");
     tag = next_tag_++;
   }
-  auto mem_of = [&](const at::Tensor& t) {
-    return on_device(t) ? memory_type_of(op.c_str(), t, "tensor") : MemoryType::kHost;
-  };
-  const MemoryType send_mem = mem_of(send), recv_mem = mem_of(recv);
   const auto limit = effective(timeout);
   const auto deadline = Clock::now() + limit;
 
-  std::vector<std::int64_t> send_off(size + 1, 0);
-  for (int p = 0; p < size; ++p) send_off[p + 1] = send_off[p] + send_bytes[p];
   std::vector<std::int64_t> received(size, 0);
-  received[me] = send_bytes[me];
-  auto* sbase = static_cast<std::uint8_t*>(send.data_ptr());
-  auto* rbase = static_cast<std::uint8_t*>(recv.data_ptr());
+  for (std::size_t l = 0; l < L; ++l) received[me] += send_bytes[l][me];
   struct Posted {
     Request request;
     int peer;
@@ -101,24 +112,41 @@ std::vector<std::int64_t> ProcessGroupUCX::exchange_bytes(
   };
   std::vector<Posted> posted;
   posted.reserve(2 * static_cast<std::size_t>(size));
-  try {
-    // UCX reads the send buffer from now on: the work queued on its stream must be complete.
-    if (send_mem != MemoryType::kHost || recv_mem != MemoryType::kHost) {
-      StreamFence({send, recv}).wait(deadline, op.c_str());
+  // One message per peer: the lanes' parts for that peer, the empty ones left out (both sides
+  // know every size, so they leave out the same ones).
+  std::vector<Buffer> parts(L);
+  auto gather = [&](int p, bool is_send) {
+    std::size_t n = 0;
+    for (std::size_t l = 0; l < L; ++l) {
+      const std::int64_t bytes = is_send ? send_bytes[l][p] : recv_capacity[l][p];
+      if (bytes == 0) continue;
+      auto* base = static_cast<std::uint8_t*>(is_send ? sends[l].data_ptr() : recvs[l].data_ptr());
+      parts[n++] = Buffer{base + (is_send ? send_off[l][p] : recv_offsets[l][p]),
+                          static_cast<std::size_t>(bytes), is_send ? send_mem[l] : recv_mem[l]};
     }
+    return n;
+  };
+  try {
+    // UCX reads the send buffers and overwrites the receive buffers from now on: the work queued
+    // on their streams must be complete.
+    bool device = false;
+    for (std::size_t l = 0; l < L; ++l) device = device || send_mem[l] != MemoryType::kHost || recv_mem[l] != MemoryType::kHost;
+    if (device) StreamFence(all).wait(deadline, op.c_str());
     for (int p = 0; p < size; ++p) {
-      if (p == me || recv_capacity[p] == 0) continue;
-      Buffer b{rbase + recv_offsets[p], static_cast<std::size_t>(recv_capacity[p]), recv_mem};
-      posted.push_back({comm_->post_recv(&b, 1, p, TagKind::kInternal, tag), p, false});
+      if (p == me) continue;
+      const std::size_t n = gather(p, false);
+      if (n > 0) posted.push_back({comm_->post_recv(parts.data(), n, p, TagKind::kInternal, tag), p, false});
     }
     for (int i = 1; i < size; ++i) {  // start with the next rank, so no peer is everyone's first
       const int p = (me + i) % size;
-      if (send_bytes[p] == 0) continue;
-      Buffer b{sbase + send_off[p], static_cast<std::size_t>(send_bytes[p]), send_mem};
-      posted.push_back({comm_->post_send(&b, 1, p, TagKind::kInternal, tag), p, true});
+      const std::size_t n = gather(p, true);
+      if (n > 0) posted.push_back({comm_->post_send(parts.data(), n, p, TagKind::kInternal, tag), p, true});
     }
-    if (send_bytes[me] > 0) {
-      recv.narrow(0, recv_offsets[me], send_bytes[me]).copy_(send.narrow(0, send_off[me], send_bytes[me]));
+    for (std::size_t l = 0; l < L; ++l) {
+      if (send_bytes[l][me] > 0) {
+        recvs[l].narrow(0, recv_offsets[l][me], send_bytes[l][me])
+            .copy_(sends[l].narrow(0, send_off[l][me], send_bytes[l][me]));
+      }
     }
     // Every request is waited for, even after one failed: this rank's sends must reach the ranks
     // that wait for them (so they fail or finish promptly, not at their timeout).
@@ -146,12 +174,12 @@ std::vector<std::int64_t> ProcessGroupUCX::exchange_bytes(
     if (first) std::rethrow_exception(first);
   } catch (...) {
     // Nothing may stay posted into (or from) memory the caller may reuse: cancel what is left and
-    // let the backend keep both buffers alive until UCX is done with each request.
+    // let the backend keep the buffers alive until UCX is done with each request.
     for (auto& p : posted) {
       if (p.request.done()) continue;
       p.request.cancel();
       auto w = c10::make_intrusive<P2PWork>(me, p.is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
-                                            p.request, std::vector<at::Tensor>{send, recv}, timeout_);
+                                            p.request, all, timeout_);
       std::lock_guard<std::mutex> lk(mu_);
       reap_locked();
       inflight_.push_back(w);

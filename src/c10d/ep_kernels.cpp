@@ -36,6 +36,38 @@ at::Tensor byte_rows(const at::Tensor& t) {
   return t.contiguous().view({t.size(0), elems}).view(at::kByte);
 }
 
+// The two hot loops get AVX2 and AVX-512 versions beside the baseline one, picked at load time
+// (GCC's target_clones): the wheel is built for any x86-64, the machine running it may do more.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define COMMUX_EP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define COMMUX_EP_CLONES
+#endif
+
+// a[h] += float(x[h]) for bf16 x (possibly unaligned): the widening is a shift, so this loop
+// vectorizes.
+COMMUX_EP_CLONES void add_bf16(float* a, const std::uint8_t* x, std::int64_t n) {
+  for (std::int64_t h = 0; h < n; ++h) {
+    std::uint16_t b;
+    std::memcpy(&b, x + 2 * h, 2);
+    const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    a[h] += f;
+  }
+}
+
+// float -> bf16, rounding to nearest even as torch does (NaN stays NaN).
+COMMUX_EP_CLONES void to_bf16(std::uint16_t* out, const float* a, std::size_t n) {
+  for (std::size_t q = 0; q < n; ++q) {
+    std::uint32_t u;
+    std::memcpy(&u, a + q, 4);
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    out[q] = nan ? static_cast<std::uint16_t>(0x7fc0) : static_cast<std::uint16_t>(u >> 16);
+  }
+}
+
 std::int64_t total(const std::vector<std::int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), std::int64_t{0});
 }
@@ -355,73 +387,69 @@ LocalIds local_ids(const at::Tensor& gid, const at::Tensor& weights, std::int64_
   return out;
 }
 
-std::vector<at::Tensor> combine_sum(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-                                    const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
-                                    std::int64_t stride, std::int64_t x_offset, std::int64_t hidden,
-                                    std::int64_t w_offset, std::int64_t k, const at::Tensor& order,
-                                    std::int64_t tokens) {
-  const std::int64_t N = total(rows);
+std::vector<at::Tensor> combine_sum(const at::Tensor& x, const at::Tensor& weights,
+                                    const at::Tensor& order, std::int64_t tokens) {
+  if (x.scalar_type() != at::kBFloat16 || x.dim() != 2) bad("combine_sum: rows must be [S, H] bfloat16");
+  const std::int64_t N = x.size(0), H = x.size(1);
+  const bool w = weights.defined();
+  if (w && (weights.scalar_type() != at::kFloat || weights.dim() != 2 || weights.size(0) != N)) {
+    bad("combine_sum: weights must be [S, k] float32");
+  }
+  const std::int64_t k = w ? weights.size(1) : 0;
   if (!order.device().is_cpu() || order.scalar_type() != at::kLong || order.numel() != N) {
     bad("combine_sum: order must be a host int64 tensor of one entry per row");
-  }
-  if (x_offset < 0 || x_offset + 2 * hidden > stride || (k > 0 && (w_offset < 0 || w_offset + 4 * k > stride))) {
-    bad("combine_sum: a field does not fit a row");
   }
   const at::Tensor ord = order.contiguous();
   const auto* op = ord.data_ptr<std::int64_t>();
   for (std::int64_t i = 0; i < N; ++i) {
     if (op[i] < 0 || op[i] >= tokens) bad("combine_sum: a row's token is out of range");
   }
-  if (!loops(recv.device())) {
-    std::vector<std::int64_t> offs{x_offset}, sizes{2 * hidden};
-    if (k > 0) {
-      offs.push_back(w_offset);
-      sizes.push_back(4 * k);
-    }
-    auto f = unpack(recv, slot_offsets, rows, header_bytes, stride, offs, sizes);
-    const at::Tensor dord = ord.to(recv.device());
-    at::Tensor acc = at::zeros({tokens, hidden}, recv.options().dtype(at::kFloat));
-    acc.index_add_(0, dord, f[0].view(at::kBFloat16).to(at::kFloat));
+  if (!loops(x.device())) {
+    const at::Tensor dord = ord.to(x.device());
+    at::Tensor acc = at::zeros({tokens, H}, x.options().dtype(at::kFloat));
+    acc.index_add_(0, dord, x.to(at::kFloat));
     at::Tensor wsum;
-    if (k > 0) {
-      wsum = at::zeros({tokens, k}, recv.options().dtype(at::kFloat));
-      wsum.index_add_(0, dord, f[1].view(at::kFloat));
+    if (w) {
+      wsum = at::zeros({tokens, k}, x.options().dtype(at::kFloat));
+      wsum.index_add_(0, dord, weights);
     }
     return {acc.to(at::kBFloat16), wsum};
   }
-  for (std::size_t p = 0; p < rows.size(); ++p) {
-    if (rows[p] < 0 || slot_offsets[p] + header_bytes + rows[p] * stride > recv.numel()) {
-      bad("combine_sum: rows of rank " + std::to_string(p) + " lie outside the received buffer");
-    }
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wc = w ? weights.contiguous() : at::Tensor();
+  const auto* xb = static_cast<const std::uint8_t*>(xc.data_ptr());
+  const float* wp = w ? wc.data_ptr<float>() : nullptr;
+  // Rows by token (a CSR over the rows), then each token's sum in a small float32 block that
+  // stays in L1, cast to bf16 as it is written: one read of every row, one write of the result.
+  // Within a token the rows keep their order (the ranks' order), as a float32 index_add would.
+  std::vector<std::int64_t> start(static_cast<std::size_t>(tokens) + 1, 0);
+  for (std::int64_t i = 0; i < N; ++i) ++start[static_cast<std::size_t>(op[i]) + 1];
+  for (std::int64_t t = 0; t < tokens; ++t) start[t + 1] += start[t];
+  std::vector<std::int64_t> row_of(static_cast<std::size_t>(N));
+  {
+    std::vector<std::int64_t> fill(start.begin(), start.end() - 1);
+    for (std::int64_t i = 0; i < N; ++i) row_of[fill[op[i]]++] = i;
   }
-  std::vector<float> acc(static_cast<std::size_t>(tokens * hidden), 0.0f);
-  std::vector<float> wacc(static_cast<std::size_t>(tokens * std::max<std::int64_t>(k, 0)), 0.0f);
-  const auto* base = recv.data_ptr<std::uint8_t>();
-  std::int64_t i = 0;
-  for (std::size_t p = 0; p < rows.size(); ++p) {
-    const std::uint8_t* r = base + slot_offsets[p] + header_bytes;
-    for (std::int64_t j = 0; j < rows[p]; ++j, ++i, r += stride) {
-      float* a = acc.data() + op[i] * hidden;
-      const auto* x = reinterpret_cast<const c10::BFloat16*>(r + x_offset);
-      for (std::int64_t h = 0; h < hidden; ++h) a[h] += static_cast<float>(x[h]);
-      if (k > 0) {
-        float* wa = wacc.data() + op[i] * k;
-        float w[64];
-        for (std::int64_t c = 0; c < k; c += 64) {
-          const std::int64_t m = std::min<std::int64_t>(64, k - c);
-          std::memcpy(w, r + w_offset + 4 * c, static_cast<std::size_t>(4 * m));
-          for (std::int64_t q = 0; q < m; ++q) wa[c + q] += w[q];
-        }
-      }
-    }
-  }
-  at::Tensor out = at::empty({tokens, hidden}, at::TensorOptions().dtype(at::kBFloat16));
-  auto* o = out.data_ptr<c10::BFloat16>();
-  for (std::size_t q = 0; q < acc.size(); ++q) o[q] = static_cast<c10::BFloat16>(acc[q]);
+  at::Tensor out = at::empty({tokens, H}, at::TensorOptions().dtype(at::kBFloat16));
+  auto* o = static_cast<std::uint16_t*>(out.data_ptr());
   at::Tensor wsum;
-  if (k > 0) {
-    wsum = at::empty({tokens, k}, at::TensorOptions().dtype(at::kFloat));
-    std::memcpy(wsum.data_ptr<float>(), wacc.data(), wacc.size() * sizeof(float));
+  float* wo = nullptr;
+  if (w) {
+    wsum = at::zeros({tokens, k}, at::TensorOptions().dtype(at::kFloat));
+    wo = wsum.data_ptr<float>();
+  }
+  constexpr std::int64_t kBlock = 512;
+  float block[kBlock];
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::int64_t h0 = 0; h0 < H; h0 += kBlock) {
+      const std::int64_t m = std::min(kBlock, H - h0);
+      std::fill(block, block + m, 0.0f);
+      for (std::int64_t q = start[t]; q < start[t + 1]; ++q) add_bf16(block, xb + (row_of[q] * H + h0) * 2, m);
+      to_bf16(o + t * H + h0, block, static_cast<std::size_t>(m));
+    }
+    for (std::int64_t q = start[t]; w && q < start[t + 1]; ++q) {
+      for (std::int64_t c = 0; c < k; ++c) wo[t * k + c] += wp[row_of[q] * k + c];
+    }
   }
   return {out, wsum};
 }

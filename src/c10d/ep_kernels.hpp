@@ -87,14 +87,10 @@ struct LocalIds {
 LocalIds local_ids(const at::Tensor& gid, const at::Tensor& weights, std::int64_t lo,
                    std::int64_t experts_here, std::int64_t alignment);
 
-// Normal combine, send side of dispatch: sums the rows that came back into [T, H] per token
-// (row i adds to token order[i]), in float32, and casts once to bfloat16. The rows are in `recv`
-// as unpack() reads them, their bf16 payload at x_offset; with k > 0 also k float32 weights at
-// w_offset, summed into [T, k] the same way (else that result is undefined).
-std::vector<at::Tensor> combine_sum(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-                                    const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
-                                    std::int64_t stride, std::int64_t x_offset, std::int64_t hidden,
-                                    std::int64_t w_offset, std::int64_t k, const at::Tensor& order,
-                                    std::int64_t tokens);
+// Normal combine, back at the source: sums the rows that came back ([S, H] bfloat16, row i for
+// token order[i]) into [T, H] per token, in float32, cast once to bfloat16; with weights ([S, k]
+// float32, may be undefined) also their [T, k] sums (else that result is undefined).
+std::vector<at::Tensor> combine_sum(const at::Tensor& x, const at::Tensor& weights,
+                                    const at::Tensor& order, std::int64_t tokens);
 
 }  // namespace commux::ep
