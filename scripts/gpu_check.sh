@@ -9,10 +9,14 @@
 #                 site directory, then imports it
 #   3. info       python -m commux.info (UCX version, transports, memory types, settings)
 #   4. cuda-tests python/tests/test_cuda.py (2 and 3 ranks on the one GPU), per-test timeout
-#   5. bench      bench/cuda_bench.py: p2p bandwidth 1 MiB .. 1 GiB against a device-to-device
+#   5. ep-tests   python/tests/test_ep.py: commux.ep (DeepEP's Buffer) on CUDA tensors, 2 and 3 ranks
+#                 on the one GPU, checked bitwise against the reference
+#   6. bench      bench/cuda_bench.py: p2p bandwidth 1 MiB .. 1 GiB against a device-to-device
 #                 copy, allreduce 1 .. 256 MiB against Gloo, every result checked
-#   6. driver     tests/run_driver_cuda.sh (the C++ driver's CUDA checks), when the file exists
-#   7. cpu-p2p    python/tests/test_p2p.py, a CPU sanity check of the same build
+#   7. ep-bench   bench/ep on CUDA tensors, 2 ranks, the small workload (every result checked by the
+#                 harness's oracle; results in $OUT/ep/)
+#   8. driver     tests/run_driver_cuda.sh (the C++ driver's CUDA checks), when the file exists
+#   9. cpu-p2p    python/tests/test_p2p.py, a CPU sanity check of the same build
 #
 # and ends with a summary: every step ok / FAILED / skipped with its time, and the two target
 # ratios (p2p 256 MiB >= 0.7 x D2D copy; allreduce 64 MiB gloo/ucx >= 5). Exit status 1 when a
@@ -248,6 +252,29 @@ step_bench() {
   "$PY" bench/cuda_bench.py "${args[@]}" ${GPU_CHECK_BENCH_ARGS:-}
 }
 
+step_ep_tests() {
+  set -euo pipefail
+  cd "$REPO"
+  local to=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && to=(--timeout 120)
+  # Without a GPU (--cpu-smoke) only the host paths run: the CUDA cases skip themselves.
+  if [ "$mode" = cpu ]; then
+    UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} "$PY" -m pytest -q -rs ${to[@]+"${to[@]}"} python/tests/test_ep.py -k "device_path"
+  else
+    UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} "$PY" -m pytest -q -rs ${to[@]+"${to[@]}"} python/tests/test_ep.py -k "cuda"
+  fi
+}
+
+step_ep_bench() {
+  set -euo pipefail
+  cd "$REPO"
+  local mem=cuda
+  [ "$mode" = cpu ] && mem=cpu
+  UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} "$PY" -m bench.ep --worlds 2 --workloads small --memtypes "$mem" \
+    --tokens 1,8,32,128 --iters 10 --warmup 3 --case-timeout $(( STEP_LIMIT > 60 ? STEP_LIMIT / 3 : 20 )) \
+    --out "$OUT/ep"
+}
+
 step_driver() {
   set -euo pipefail
   cd "$REPO"
@@ -267,21 +294,24 @@ step_cpu_p2p() {
   UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} "$PY" -m pytest -x -q ${to[@]+"${to[@]}"} python/tests/test_p2p.py
 }
 
-export -f step_env step_install step_info step_cuda_tests step_bench step_driver step_cpu_p2p
+export -f step_env step_install step_info step_cuda_tests step_bench step_ep_tests step_ep_bench step_driver \
+  step_cpu_p2p
 
 echo "gpu_check: mode $mode, python $PY, outputs in $OUT, budget ${budget} s"
 step env 60 1 step_env
 step install 300 0 step_install
-gpu_steps=(cuda-tests bench driver)
+gpu_steps=(cuda-tests bench ep-tests ep-bench driver)
 if [ "$(state_of install)" != ok ]; then
-  for s in info cuda-tests bench driver cpu-p2p; do record "$s" skipped 0 "install did not succeed"; done
+  for s in info cuda-tests bench ep-tests ep-bench driver cpu-p2p; do record "$s" skipped 0 "install did not succeed"; done
 else
   step info 60 1 step_info
   if [ $mode = gpu ] && [ "$(state_of env)" != ok ]; then
     for s in "${gpu_steps[@]}"; do record "$s" skipped 0 "no usable GPU (see the env step)"; done
   else
     step cuda-tests 240 1 step_cuda_tests
+    step ep-tests 120 1 step_ep_tests
     step bench 240 1 step_bench
+    step ep-bench 120 1 step_ep_bench
     step driver 150 0 step_driver
   fi
   step cpu-p2p 120 1 step_cpu_p2p

@@ -96,7 +96,7 @@ stage_torch() {
   venv=.venv-torch$SUITE_TORCH
   echo "== on torch $SUITE_TORCH: tagged p2p, every collective against gloo, DDP, the package"
   run_pytest "$venv/bin/python" python/tests/test_p2p.py python/tests/test_collectives.py \
-    python/tests/test_ddp.py python/tests/test_work.py python/tests/test_package.py
+    python/tests/test_ddp.py python/tests/test_work.py python/tests/test_package.py python/tests/test_ep.py
   echo "== scripts/gpu_check.sh --cpu-smoke on torch $SUITE_TORCH: the GPU check's own build and steps"
   GPU_CHECK_PYTHON=$venv/bin/python OUT=results/gpu-smoke-torch$SUITE_TORCH \
     GPU_CHECK_DIR=/tmp/commux-gpu-smoke-torch$SUITE_TORCH scripts/gpu_check.sh --cpu-smoke
