@@ -169,7 +169,7 @@ class _AllToAll:
 _C._ep_set_aten_on_host(os.environ.get("COMMUX_EP_ATEN", "0") == "1")
 
 _ids_lock = threading.Lock()
-_next_ids: dict = {}  # group -> the next Buffer id (ranks create their Buffers in the same order)
+_next_ids: dict = {}  # id(group) -> the next Buffer id (ranks create their Buffers in the same order)
 
 
 def _backend_error(msg: str) -> Exception:
@@ -323,9 +323,10 @@ class Buffer:
     """DeepEP's legacy ``Buffer`` over commux (see the module docstring).
 
     ``max_tokens_per_rank`` (a commux addition; every rank must pass the same) is how many tokens
-    one rank may dispatch in one normal-mode call; a call with more fails on every rank. It sizes
-    the receive slots (memory is touched only as far as rows arrive). ``timeout`` (seconds; a
-    commux addition) bounds each call; the default is the group's timeout.
+    one rank may dispatch in one normal-mode call, the counterpart of DeepEP's buffer sizes; a
+    call with more fails on every rank. Receive memory is sized per call from the headers and
+    kept across calls. ``timeout`` (seconds; a commux addition) bounds each call; the default is
+    the group's timeout.
     """
 
     num_sms: int = 20
@@ -348,19 +349,24 @@ class Buffer:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise ValueError("commux.ep.Buffer: this process is not a member of the group")
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.max_tokens_per_rank = max_tokens_per_rank
         self._timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
         self.backend = dist.get_backend(self.group)
-        if self.backend in _UCX_BACKENDS:
-            self._transport = _Ucx(self.group._get_backend(torch.device("cpu")))
+        pg = self.group._get_backend(torch.device("cpu")) if self.backend in _UCX_BACKENDS else None
+        # (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend; the wrapped one has the exchange.)
+        pg = pg if hasattr(pg, "_exchange_lanes") else getattr(pg, "wrapped_pg", None)
+        if hasattr(pg, "_exchange_lanes"):
+            self._transport = _Ucx(pg)
         else:
             self._transport = _AllToAll(self.group)
         with _ids_lock:
-            self._id = _next_ids.get(self.group, 0)
-            _next_ids[self.group] = self._id + 1
+            self._id = _next_ids.get(id(self.group), 0)
+            _next_ids[id(self.group)] = self._id + 1
         self._calls = itertools.count()
         self._kept: dict = {}
         self._destroyed = False
