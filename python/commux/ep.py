@@ -148,6 +148,11 @@ class _Ucx:
     def exchange_lanes(self, op, sends, send_bytes, recvs, offsets, caps, timeout_ms):
         return self.pg._exchange_lanes(op, sends, send_bytes, recvs, offsets, caps, timeout_ms)
 
+    def headers(self, op, fields, reason, counts, stride, timeout_ms):
+        """Step 1: (header fields of every rank, their reasons, bytes received from each)."""
+        return self.pg._ep_header_step(op, fields, reason, _H_LEN, _H_ROWS, _H_BYTES, counts, stride,
+                                       timeout_ms)
+
 
 class _AllToAll:
     """Any other backend: each lane as one all_to_all_single with uneven splits (the sizes are
@@ -163,10 +168,31 @@ class _AllToAll:
                                    group=self.group)
         return [sum(c[p] for c in caps) for p in range(len(caps[0]))]
 
+    def headers(self, op, fields, reason, counts, stride, timeout_ms):
+        R = len(counts)
+        hb = [_HDR_BYTES] * R
+        offsets = list(range(0, R * _HDR_BYTES, _HDR_BYTES))
+        got_heads = torch.empty(R * _HDR_BYTES, dtype=torch.uint8)
+        heads = _C._ep_make_headers(fields, reason, _H_LEN, _H_ROWS, _H_BYTES, counts, stride).view(-1)
+        got = self.exchange_lanes(op, [heads], [hb], [got_heads], [offsets], [hb], timeout_ms)
+        peers, reasons = _C._ep_read_headers(got_heads, offsets, got, _HDR_BYTES, _H_TEXT)
+        return peers, reasons, got
+
 
 # COMMUX_EP_ATEN=1: pack and unpack host tensors with the device path's ATen operations, so the
 # code that serves GPU tensors is exercised on a machine without one (a check, not a speed-up).
 _C._ep_set_aten_on_host(os.environ.get("COMMUX_EP_ATEN", "0") == "1")
+
+_empty_headers: dict = {}
+
+
+def _no_headers(ranks: int) -> torch.Tensor:
+    """[ranks, 0] bytes: a message part with no header in front of its rows."""
+    t = _empty_headers.get(ranks)
+    if t is None:
+        t = _empty_headers[ranks] = torch.empty((ranks, 0), dtype=torch.uint8)
+    return t
+
 
 _ids_lock = threading.Lock()
 _next_ids: dict = {}  # id(group) -> the next Buffer id (ranks create their Buffers in the same order)
@@ -218,14 +244,11 @@ class _Call:
         rnames = [n for n, _ in row_parts if layout.offsets[n][1]]
         rows = dict(row_parts)
         self.layout = layout
-        packed = _C._ep_pack(self._headers([0] * self.buf.group_size, 0)[:, :0],
+        packed = _C._ep_pack(_no_headers(self.buf.group_size),
                              [parts[n] for n in names], [layout.offset(n) for n in names], index,
                              [rows[n] for n in rnames], [layout.offset(n) for n in rnames],
                              self.counts, layout.stride)
         self.lanes.append((packed, layout.stride))
-
-    def _headers(self, counts, stride, reason=""):
-        return _C._ep_make_headers(self.hdr, reason, _H_LEN, _H_ROWS, _H_BYTES, counts, stride)
 
     def reject(self, e: BaseException):
         """Tells every rank that this call failed here before anything was sent (so none waits
@@ -234,11 +257,7 @@ class _Call:
         self.hdr[_H_STATUS] = 1
         reason = str(e) if isinstance(e, _Rejected) else f"{type(e).__name__}: {e}"
         try:
-            hb = [_HDR_BYTES] * R
-            buf._transport.exchange_lanes(self.op, [self._headers([0] * R, 0, reason).view(-1)], [hb],
-                                          [torch.empty(R * _HDR_BYTES, dtype=torch.uint8)],
-                                          [list(range(0, R * _HDR_BYTES, _HDR_BYTES))], [hb],
-                                          buf._timeout_ms)
+            buf._transport.headers(self.op, self.hdr, reason, [0] * R, 0, buf._timeout_ms)
         except Exception:  # noqa: BLE001  (this rank's own reason is the error to report)
             pass
         if not isinstance(e, _Rejected):
@@ -250,12 +269,13 @@ class _Call:
         outputs[l](rows received) returns it (flat bytes are taken from it); other lanes land in
         the Buffer's kept receive memory. Returns ([lane tensors], rows from each rank)."""
         buf, R = self.buf, self.buf.group_size
-        hb = [_HDR_BYTES] * R
-        heads = self._headers(self.counts, self.hdr[_H_STRIDE]).view(-1)
-        offsets = list(range(0, R * _HDR_BYTES, _HDR_BYTES))
-        got_heads = buf._slots("headers", R * _HDR_BYTES, torch.device("cpu"))
-        got = self._send([heads], [hb], [got_heads], [offsets], [hb])
-        rows = self._check(got_heads, offsets, got, hb)
+        try:
+            peers, reasons, got = buf._transport.headers(self.op, self.hdr, "", self.counts,
+                                                         self.hdr[_H_STRIDE], buf._timeout_ms)
+        except BaseException:
+            buf._kept.clear()  # the memory may still be written: never reuse it
+            raise
+        rows = self._check(peers, reasons, got)
         N = sum(rows)
         sends, send_bytes, recvs, recv_offsets, caps, results = [], [], [], [], [], []
         for l, (data, rb) in enumerate(self.lanes):
@@ -289,10 +309,9 @@ class _Call:
             buf._kept.clear()  # the memory may still be written: never reuse it
             raise
 
-    def _check(self, recv, offsets, got, caps):
+    def _check(self, peers, reasons, got):
         """Every rank's header: rejected calls, cut-short messages, another call, disagreements."""
         R, me = self.buf.group_size, self.buf.rank
-        peers, reasons = _C._ep_read_headers(recv, offsets, got, _HDR_BYTES, _H_TEXT)
         who = f"commux {self.op} (rank {me} of {R})"
         for p, row in enumerate(peers):
             if p != me and got[p] >= 0 and row[_H_STATUS] and row[_H_MAGIC] == _MAGIC:
@@ -302,7 +321,10 @@ class _Call:
             if got[p] != _HDR_BYTES or row[_H_MAGIC] != _MAGIC:
                 raise _backend_error(f"{who}: rank {p}'s message is not an ep call's header: does "
                                      "every rank make the same calls on the group in the same order?")
+        mine = [self.hdr[f] for f, _ in _MUST_AGREE]
         for p, row in enumerate(peers):
+            if [row[f] for f, _ in _MUST_AGREE] == mine:
+                continue
             for field, words in _MUST_AGREE:
                 if row[field] != self.hdr[field]:
                     mine, theirs = self.hdr[field], row[field]

@@ -96,6 +96,34 @@ PYBIND11_MODULE(_C, m) {
           py::arg("recv_offsets"), py::arg("recv_capacity"), py::arg("timeout_ms") = 0,
           py::call_guard<py::gil_scoped_release>(),
           "commux.ep's sparse all-to-all of byte tensors on internal tags (see process_group_ucx.hpp)")
+      .def(
+          "_ep_header_step",
+          [](commux::ProcessGroupUCX& pg, const std::string& op, const std::vector<std::int64_t>& fields,
+             const std::string& reason, std::int64_t header_ints, std::int64_t rows_at, std::int64_t bytes_at,
+             const std::vector<std::int64_t>& counts, std::int64_t stride, std::int64_t timeout_ms) {
+            // commux.ep's first step in one call: every rank's header out (make_headers), every
+            // rank's header in, read back (read_headers). Returns (fields, reasons, bytes received).
+            commux::ep::Headers h;
+            std::vector<std::int64_t> got;
+            {
+              py::gil_scoped_release nogil;
+              const auto R = static_cast<std::int64_t>(counts.size());
+              const std::int64_t hb = header_ints * 8;
+              at::Tensor out = commux::ep::make_headers(fields, reason, header_ints, rows_at, bytes_at,
+                                                        counts, stride).view({-1});
+              at::Tensor in = at::empty({R * hb}, out.options());
+              std::vector<std::int64_t> sizes(static_cast<std::size_t>(R), hb), offsets;
+              for (std::int64_t p = 0; p < R; ++p) offsets.push_back(p * hb);
+              got = pg.exchange_lanes(op, {out}, {sizes}, {in}, {offsets}, {sizes},
+                                      std::chrono::milliseconds(timeout_ms));
+              h = commux::ep::read_headers(in, offsets, got, hb, static_cast<std::int64_t>(fields.size()));
+            }
+            py::list reasons;
+            for (const auto& r : h.reasons) reasons.append(py::bytes(r));
+            return py::make_tuple(h.fields, reasons, got);
+          },
+          py::arg("op"), py::arg("fields"), py::arg("reason"), py::arg("header_ints"), py::arg("rows_at"),
+          py::arg("bytes_at"), py::arg("counts"), py::arg("stride"), py::arg("timeout_ms") = 0)
       .def_property_readonly("device_ops_calls", &commux::ProcessGroupUCX::device_ops_calls,
                              "collective calls that reduced and kept scratch on the tensors' "
                              "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)");

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -140,12 +141,20 @@ std::vector<std::int64_t> ProcessGroupUCX::exchange_lanes(
     for (int i = 1; i < size; ++i) {  // start with the next rank, so no peer is everyone's first
       const int p = (me + i) % size;
       const std::size_t n = gather(p, true);
-      if (n > 0) posted.push_back({comm_->post_send(parts.data(), n, p, TagKind::kInternal, tag), p, true});
+      // Waited on at once: UCX may then stay eager up to its fast-completion threshold.
+      if (n > 0) {
+        posted.push_back({comm_->post_send(parts.data(), n, p, TagKind::kInternal, tag, /*fast_completion=*/true), p, true});
+      }
     }
     for (std::size_t l = 0; l < L; ++l) {
-      if (send_bytes[l][me] > 0) {
-        recvs[l].narrow(0, recv_offsets[l][me], send_bytes[l][me])
-            .copy_(sends[l].narrow(0, send_off[l][me], send_bytes[l][me]));
+      const std::int64_t n = send_bytes[l][me];
+      if (n == 0) continue;
+      if (send_mem[l] == MemoryType::kHost && recv_mem[l] == MemoryType::kHost) {
+        std::memcpy(static_cast<std::uint8_t*>(recvs[l].data_ptr()) + recv_offsets[l][me],
+                    static_cast<const std::uint8_t*>(sends[l].data_ptr()) + send_off[l][me],
+                    static_cast<std::size_t>(n));
+      } else {
+        recvs[l].narrow(0, recv_offsets[l][me], n).copy_(sends[l].narrow(0, send_off[l][me], n));
       }
     }
     // Every request is waited for, even after one failed: this rank's sends must reach the ranks
