@@ -51,7 +51,7 @@ else
   say "configuring $build (UCX from the libucx wheel of $pybin)"
   # Warnings are not errors here: another machine's compiler may warn where ours does not, and this
   # checks behaviour (scripts/build.sh keeps -Werror for development).
-  "$cmake" -S "$root" -B "$build" ${gen[@]+"${gen[@]}"} -DCOMMUX_BUILD_TESTS=ON -DCOMMUX_BUILD_BENCH=OFF \
+  "$cmake" -S "$root" -B "$build" ${gen[@]+"${gen[@]}"} -DCOMMUX_BUILD_TESTS=ON -DCOMMUX_GTEST=OFF -DCOMMUX_BUILD_BENCH=OFF \
     -DCOMMUX_BUILD_EXAMPLES=OFF -DCOMMUX_UCX_PROVIDER=wheel -DCOMMUX_PYTHON="$pybin" \
     -DCOMMUX_WERROR="${COMMUX_WERROR:-OFF}" ||
     { say "configuring failed"; exit 1; }
