@@ -183,17 +183,6 @@ class _AllToAll:
 # code that serves GPU tensors is exercised on a machine without one (a check, not a speed-up).
 _C._ep_set_aten_on_host(os.environ.get("COMMUX_EP_ATEN", "0") == "1")
 
-_empty_headers: dict = {}
-
-
-def _no_headers(ranks: int) -> torch.Tensor:
-    """[ranks, 0] bytes: a message part with no header in front of its rows."""
-    t = _empty_headers.get(ranks)
-    if t is None:
-        t = _empty_headers[ranks] = torch.empty((ranks, 0), dtype=torch.uint8)
-    return t
-
-
 _ids_lock = threading.Lock()
 _next_ids: dict = {}  # id(group) -> the next Buffer id (ranks create their Buffers in the same order)
 
@@ -244,8 +233,7 @@ class _Call:
         rnames = [n for n, _ in row_parts if layout.offsets[n][1]]
         rows = dict(row_parts)
         self.layout = layout
-        packed = _C._ep_pack(_no_headers(self.buf.group_size),
-                             [parts[n] for n in names], [layout.offset(n) for n in names], index,
+        packed = _C._ep_pack([parts[n] for n in names], [layout.offset(n) for n in names], index,
                              [rows[n] for n in rnames], [layout.offset(n) for n in rnames],
                              self.counts, layout.stride)
         self.lanes.append((packed, layout.stride))
@@ -337,7 +325,7 @@ class _Call:
         """The named fields of the metadata lane's received rows, as [N, bytes] uint8 tensors."""
         lay = self.layout
         return _C._ep_unpack(recv, list(itertools.accumulate([0] + [r * lay.stride for r in rows[:-1]])),
-                             rows, 0, lay.stride, [lay.offset(n) for n in names],
+                             rows, lay.stride, [lay.offset(n) for n in names],
                              [lay.offsets[n][1] for n in names])
 
 

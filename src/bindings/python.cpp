@@ -142,15 +142,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("topk_idx"), py::arg("num_experts"), py::arg("ranks"), py::arg("per_assignment"));
   m.def(
       "_ep_pack",
-      [](const at::Tensor& headers, const std::vector<at::Tensor>& parts,
-         const std::vector<std::int64_t>& offsets, const std::optional<at::Tensor>& index,
-         const std::vector<at::Tensor>& row_parts, const std::vector<std::int64_t>& row_offsets,
-         const std::vector<std::int64_t>& counts, std::int64_t stride) {
-        return commux::ep::pack(headers, parts, offsets, index ? *index : at::Tensor(), row_parts,
-                                row_offsets, counts, stride);
+      [](const std::vector<at::Tensor>& parts, const std::vector<std::int64_t>& offsets,
+         const std::optional<at::Tensor>& index, const std::vector<at::Tensor>& row_parts,
+         const std::vector<std::int64_t>& row_offsets, const std::vector<std::int64_t>& counts,
+         std::int64_t stride) {
+        return commux::ep::pack(parts, offsets, index ? *index : at::Tensor(), row_parts, row_offsets,
+                                counts, stride);
       },
-      py::arg("headers"), py::arg("parts"), py::arg("offsets"), py::arg("index"),
-      py::arg("row_parts"), py::arg("row_offsets"), py::arg("counts"), py::arg("stride"),
+      py::arg("parts"), py::arg("offsets"), py::arg("index"), py::arg("row_parts"),
+      py::arg("row_offsets"), py::arg("counts"), py::arg("stride"),
       py::call_guard<py::gil_scoped_release>());
   m.def("_ep_set_aten_on_host", &commux::ep::set_aten_on_host, py::arg("on"));
   m.def("_ep_make_headers", &commux::ep::make_headers, py::arg("fields"), py::arg("reason"),
@@ -168,8 +168,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("recv"), py::arg("slot_offsets"), py::arg("received"), py::arg("header_bytes"),
       py::arg("fields"));
   m.def("_ep_unpack", &commux::ep::unpack, py::arg("recv"), py::arg("slot_offsets"), py::arg("rows"),
-        py::arg("header_bytes"), py::arg("stride"), py::arg("offsets"), py::arg("sizes"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("stride"), py::arg("offsets"), py::arg("sizes"), py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "_ep_local_ids",

@@ -165,19 +165,14 @@ Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t r
   return r;
 }
 
-at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
-                const std::vector<std::int64_t>& offsets, const at::Tensor& index,
-                const std::vector<at::Tensor>& row_parts, const std::vector<std::int64_t>& row_offsets,
-                const std::vector<std::int64_t>& counts, std::int64_t stride) {
+at::Tensor pack(const std::vector<at::Tensor>& parts, const std::vector<std::int64_t>& offsets,
+                const at::Tensor& index, const std::vector<at::Tensor>& row_parts,
+                const std::vector<std::int64_t>& row_offsets, const std::vector<std::int64_t>& counts,
+                std::int64_t stride) {
   const auto R = static_cast<std::int64_t>(counts.size());
-  if (!headers.defined() || headers.scalar_type() != at::kByte || headers.dim() != 2 ||
-      headers.size(0) != R || !headers.is_contiguous() || !headers.device().is_cpu()) {
-    bad("pack: headers must be a contiguous [ranks, bytes] uint8 host tensor");
-  }
   if (parts.size() != offsets.size() || row_parts.size() != row_offsets.size()) {
     bad("pack: one offset per part");
   }
-  const std::int64_t hb = headers.size(1);
   const std::int64_t S = total(counts);
   const std::int64_t T = parts.empty() ? S : parts[0].size(0);
   c10::Device device(at::kCPU);
@@ -210,9 +205,8 @@ at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
   if (identity ? S > T : (index.numel() != S || index.scalar_type() != at::kLong || !index.device().is_cpu())) {
     bad("pack: the row index must be a host int64 tensor of one entry per row sent");
   }
-  at::Tensor out = at::empty({R * hb + S * stride}, at::TensorOptions().dtype(at::kByte).device(device));
   if (loops(device)) {
-    const auto* hd = headers.data_ptr<std::uint8_t>();
+    at::Tensor out = at::empty({S * stride}, at::TensorOptions().dtype(at::kByte));
     const at::Tensor idx = identity ? at::Tensor() : index.contiguous();
     const std::int64_t* ix = identity ? nullptr : idx.data_ptr<std::int64_t>();
     std::vector<const std::uint8_t*> src;
@@ -220,8 +214,6 @@ at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
     auto* o = out.data_ptr<std::uint8_t>();
     std::int64_t row = 0;
     for (std::int64_t p = 0; p < R; ++p) {
-      std::memcpy(o, hd + p * hb, static_cast<std::size_t>(hb));
-      o += hb;
       for (std::int64_t i = 0; i < counts[static_cast<std::size_t>(p)]; ++i, ++row, o += stride) {
         const std::int64_t s = identity ? row : ix[row];
         if (s < 0 || s >= T) bad("pack: row index " + std::to_string(s) + " out of range");
@@ -235,7 +227,7 @@ at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
     }
     return out;
   }
-  at::Tensor rows = at::zeros({S, stride}, out.options());
+  at::Tensor rows = at::zeros({S, stride}, at::TensorOptions().dtype(at::kByte).device(device));
   const at::Tensor dix = identity ? at::Tensor() : index.to(device);
   for (const auto& f : fields) {
     if (f.nbytes == 0) continue;
@@ -243,16 +235,7 @@ at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
     const at::Tensor sel = !f.indexed ? b : identity ? b.narrow(0, 0, S) : b.index_select(0, dix);
     rows.narrow(1, f.offset, f.nbytes).copy_(sel);
   }
-  const at::Tensor hdev = headers.to(device);
-  std::int64_t pos = 0, row = 0;
-  for (std::int64_t p = 0; p < R; ++p) {
-    const std::int64_t n = counts[static_cast<std::size_t>(p)];
-    out.narrow(0, pos, hb).copy_(hdev[p]);
-    out.narrow(0, pos + hb, n * stride).copy_(rows.narrow(0, row, n).reshape({-1}));
-    pos += hb + n * stride;
-    row += n;
-  }
-  return out;
+  return rows.reshape({-1});
 }
 
 at::Tensor make_headers(const std::vector<std::int64_t>& fields, const std::string& reason,
@@ -304,13 +287,12 @@ Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& sl
 }
 
 std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-                               const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
-                               std::int64_t stride, const std::vector<std::int64_t>& offsets,
+                               const std::vector<std::int64_t>& rows, std::int64_t stride, const std::vector<std::int64_t>& offsets,
                                const std::vector<std::int64_t>& sizes) {
   const std::int64_t N = total(rows);
   if (rows.size() != slot_offsets.size() || offsets.size() != sizes.size()) bad("unpack: bad sizes");
   for (std::size_t p = 0; p < rows.size(); ++p) {
-    if (rows[p] < 0 || slot_offsets[p] + header_bytes + rows[p] * stride > recv.numel()) {
+    if (rows[p] < 0 || slot_offsets[p] + rows[p] * stride > recv.numel()) {
       bad("unpack: rows of rank " + std::to_string(p) + " lie outside the received buffer");
     }
   }
@@ -326,7 +308,7 @@ std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::in
       dst.push_back(out.back().data_ptr<std::uint8_t>());
     }
     for (std::size_t p = 0; p < rows.size(); ++p) {
-      const std::uint8_t* r = base + slot_offsets[p] + header_bytes;
+      const std::uint8_t* r = base + slot_offsets[p];
       for (std::int64_t i = 0; i < rows[p]; ++i, r += stride) {
         for (std::size_t f = 0; f < sizes.size(); ++f) {
           std::memcpy(dst[f], r + offsets[f], static_cast<std::size_t>(sizes[f]));
@@ -338,7 +320,7 @@ std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::in
   }
   std::vector<at::Tensor> blocks;
   for (std::size_t p = 0; p < rows.size(); ++p) {
-    blocks.push_back(recv.narrow(0, slot_offsets[p] + header_bytes, rows[p] * stride).view({rows[p], stride}));
+    blocks.push_back(recv.narrow(0, slot_offsets[p], rows[p] * stride).view({rows[p], stride}));
   }
   const at::Tensor all = blocks.empty() ? at::empty({0, stride}, recv.options()) : at::cat(blocks);
   for (std::size_t f = 0; f < sizes.size(); ++f) out.push_back(all.narrow(1, offsets[f], sizes[f]).contiguous());

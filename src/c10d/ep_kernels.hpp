@@ -2,10 +2,11 @@
 // so that a dispatch or combine costs a handful of calls from Python instead of dozens of small
 // tensor operations. Internal: bound for python/commux/ep.py only.
 //
-// A message of one exchange, per destination rank p, is a header (one row of `headers`) followed
-// by that rank's rows, `stride` bytes each; a row holds named fields (the token's payload, its
-// scales, expert ids, weights, source row) at fixed byte offsets. Host memory is handled with
-// plain loops; device tensors with ATen operations on their current stream (same layout).
+// An exchange moves rows in lanes (see ProcessGroupUCX::exchange_lanes): the payload rows as they
+// are, and a lane of small per-row fields (source row, expert ids, weights, scales) packed at
+// fixed byte offsets of a `stride`-byte row, which pack() writes and unpack() reads. Host memory is
+// handled with plain loops; device tensors with ATen operations on their current stream (same
+// layout).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -47,16 +48,15 @@ at::Tensor make_headers(const std::vector<std::int64_t>& fields, const std::stri
                         std::int64_t header_ints, std::int64_t rows_at, std::int64_t bytes_at,
                         const std::vector<std::int64_t>& counts, std::int64_t stride);
 
-// The send buffer of one exchange: for each rank p, headers[p] ([R, header bytes] uint8, host;
-// [R, 0] for none) then counts[p] rows of `stride` bytes. Row i (counting over all ranks, in rank
-// order) holds, for every field f, row index[i] of parts[f] (a [T, ...] tensor: its row's bytes)
-// at byte offset offsets[f], and row i of row_parts[g] (an [S, ...] tensor) at row_offsets[g];
-// the rest of the row is zero. `index` (host int64 [S]) undefined means rows 0, 1, 2, ... On the
-// device of the parts (the host when there are none).
-at::Tensor pack(const at::Tensor& headers, const std::vector<at::Tensor>& parts,
-                const std::vector<std::int64_t>& offsets, const at::Tensor& index,
-                const std::vector<at::Tensor>& row_parts, const std::vector<std::int64_t>& row_offsets,
-                const std::vector<std::int64_t>& counts, std::int64_t stride);
+// The packed lane of one exchange: counts[p] rows of `stride` bytes for each rank p, in rank
+// order. Row i holds, for every field f, row index[i] of parts[f] (a [T, ...] tensor: its row's
+// bytes) at byte offset offsets[f], and row i of row_parts[g] (an [S, ...] tensor) at
+// row_offsets[g]; the rest of the row is zero. `index` (host int64 [S]) undefined means rows
+// 0, 1, 2, ... On the device of the parts (the host when there are none).
+at::Tensor pack(const std::vector<at::Tensor>& parts, const std::vector<std::int64_t>& offsets,
+                const at::Tensor& index, const std::vector<at::Tensor>& row_parts,
+                const std::vector<std::int64_t>& row_offsets, const std::vector<std::int64_t>& counts,
+                std::int64_t stride);
 
 // The headers of a received buffer: for each rank, its first `fields` int64 and the reason text
 // after them (trailing zero bytes dropped); a rank that sent fewer bytes than a header (received
@@ -69,11 +69,11 @@ Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& sl
                      const std::vector<std::int64_t>& received, std::int64_t header_bytes,
                      std::int64_t fields);
 
-// The fields of the rows of a received buffer, rows grouped by source rank in rank order: rows[p]
-// rows start at slot_offsets[p] + header_bytes. Returns one [N, sizes[f]] uint8 tensor per field.
+// The fields of the rows of a received packed lane, grouped by source rank in rank order: rows[p]
+// rows start at slot_offsets[p]. Returns one [N, sizes[f]] uint8 tensor per field.
 std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-                               const std::vector<std::int64_t>& rows, std::int64_t header_bytes,
-                               std::int64_t stride, const std::vector<std::int64_t>& offsets,
+                               const std::vector<std::int64_t>& rows, std::int64_t stride,
+                               const std::vector<std::int64_t>& offsets,
                                const std::vector<std::int64_t>& sizes);
 
 // Normal dispatch, receive side: global expert ids ([N, k] int32) to local ids (id - lo where
