@@ -634,34 +634,21 @@ class Buffer:
         lanes, recv_counts = c.exchange()
         names = (["scales"] if use_fp8 else []) + ["src", "expert"]
         f = dict(zip(names, c.fields(lanes[1], recv_counts, names)))
-        dev = x.device
         N = sum(recv_counts)
-        e_local = f["expert"].view(torch.int32).view(-1).to(torch.int64) - me * epr
-        src_rank = torch.repeat_interleave(torch.arange(R, device=dev),
-                                           torch.tensor(recv_counts, device=dev))
         # Each expert's rows from the start, in arrival order (by source rank, then token).
-        recv_count = torch.bincount(e_local, minlength=epr)
-        by_e = torch.argsort(e_local, stable=True)
-        pos = torch.empty_like(e_local)
-        pos[by_e] = torch.arange(N, device=dev) - (torch.cumsum(recv_count, 0) - recv_count)[e_local[by_e]]
+        payload = [lanes[0].view(N, H * (1 if use_fp8 else 2))] + ([f["scales"]] if use_fp8 else [])
+        placed, src_info, recv_count, layout_range, gather = _C._ep_ll_place(
+            payload, f["expert"].view(torch.int32).view(-1), f["src"].view(torch.int32).view(-1),
+            recv_counts, me * epr, epr, cap * R)
         dt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_x = torch.empty((epr, cap * R, H), dtype=dt, device=dev)
-        recv_x[e_local, pos] = lanes[0].view(dt).view(N, H)
+        recv_x = placed[0].view(dt)
         if use_fp8:
-            recv_s = torch.empty((epr, cap * R, H // _FP8_BLOCK), dtype=torch.float32, device=dev)
-            recv_s[e_local, pos] = f["scales"].view(torch.float32)
-            recv_x = (recv_x, recv_s)
-        src_info = torch.full((epr, cap * R), -1, dtype=torch.int32, device=dev)
-        src_info[e_local, pos] = f["src"].view(torch.int32).view(-1)
-        per = torch.zeros((epr, R), dtype=torch.int64, device=dev)
-        per.index_put_((e_local, src_rank), torch.ones_like(e_local), accumulate=True)
-        layout_range = ((torch.cumsum(per, 1) - per) << 32) | per
+            recv_x = (recv_x, placed[1].view(torch.float32))
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
         handle = _Handle((src_info, layout_range, cap, H, E), _buffer=self._id, _mode="low_latency",
                          _call=c.number, _tok=tok, _slot=slot, _send_counts=counts,
-                         _recv_counts=recv_counts, _tokens=T, _topk=k, _experts=E,
-                         _gather=(e_local * (cap * R) + pos).cpu())
+                         _recv_counts=recv_counts, _tokens=T, _topk=k, _experts=E, _gather=gather)
         hook = (lambda: None) if return_recv_hook else None
         return recv_x, recv_count.to(torch.int32), handle, self._event(x), hook
 

@@ -191,6 +191,21 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("weights"), py::arg("order"), py::arg("tokens"));
 
+  m.def(
+      "_ep_ll_place",
+      [](const std::vector<at::Tensor>& rows, const at::Tensor& expert, const at::Tensor& src,
+         const std::vector<std::int64_t>& recv_counts, std::int64_t lo, std::int64_t experts_here,
+         std::int64_t slots) {
+        commux::ep::Placed r;
+        {
+          py::gil_scoped_release nogil;
+          r = commux::ep::ll_place(rows, expert, src, recv_counts, lo, experts_here, slots);
+        }
+        return py::make_tuple(r.rows, r.src_info, r.count, r.layout_range, r.gather);
+      },
+      py::arg("rows"), py::arg("expert"), py::arg("src"), py::arg("recv_counts"), py::arg("lo"),
+      py::arg("experts_here"), py::arg("slots"));
+
   m.def("choose_transports", &choose_transports, py::arg("accelerator"), py::arg("available"),
         py::arg("user_tls") = py::none(),
         "The UCX transports for an accelerator ('cuda', 'rocm', 'xpu', 'none' or another device "

@@ -436,4 +436,81 @@ std::vector<at::Tensor> combine_sum(const at::Tensor& x, const at::Tensor& weigh
   return {out, wsum};
 }
 
+Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert, const at::Tensor& src,
+                const std::vector<std::int64_t>& recv_counts, std::int64_t lo, std::int64_t experts_here,
+                std::int64_t slots) {
+  const std::int64_t N = total(recv_counts);
+  const auto R = static_cast<std::int64_t>(recv_counts.size());
+  const std::int64_t E = experts_here;
+  if (expert.numel() != N || src.numel() != N || expert.scalar_type() != at::kInt || src.scalar_type() != at::kInt) {
+    bad("ll_place: expert and src must be int32, one per row");
+  }
+  for (const auto& r : rows) {
+    if (r.dim() != 2 || r.size(0) != N || r.scalar_type() != at::kByte) bad("ll_place: rows must be [N, bytes] uint8");
+  }
+  const c10::Device dev = expert.device();
+  const auto opts = at::TensorOptions().device(dev);
+  Placed out;
+  // The slot of every row, on the host (the counts are needed there anyway).
+  const at::Tensor e_host = expert.to(at::kCPU).contiguous();
+  const auto* ep = e_host.data_ptr<std::int32_t>();
+  std::vector<std::int64_t> count(static_cast<std::size_t>(E), 0), per(static_cast<std::size_t>(E * R), 0);
+  out.gather = at::empty({N}, at::TensorOptions().dtype(at::kLong));
+  auto* gp = out.gather.data_ptr<std::int64_t>();
+  std::int64_t i = 0;
+  for (std::int64_t p = 0; p < R; ++p) {
+    for (std::int64_t j = 0; j < recv_counts[static_cast<std::size_t>(p)]; ++j, ++i) {
+      const std::int64_t e = static_cast<std::int64_t>(ep[i]) - lo;
+      if (e < 0 || e >= E) bad("ll_place: rank " + std::to_string(p) + " sent a row for expert " +
+                               std::to_string(ep[i]) + ", which is not on this rank");
+      const std::int64_t pos = count[static_cast<std::size_t>(e)]++;
+      if (pos >= slots) bad("ll_place: more rows for one expert than its " + std::to_string(slots) + " slots");
+      gp[i] = e * slots + pos;
+      ++per[static_cast<std::size_t>(e * R + p)];
+    }
+  }
+  at::Tensor cnt = at::empty({E}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor lr = at::empty({E, R}, at::TensorOptions().dtype(at::kLong));
+  auto* cp = cnt.data_ptr<std::int64_t>();
+  auto* lp = lr.data_ptr<std::int64_t>();
+  for (std::int64_t e = 0; e < E; ++e) {
+    cp[e] = count[static_cast<std::size_t>(e)];
+    std::int64_t begin = 0;
+    for (std::int64_t p = 0; p < R; ++p) {
+      const std::int64_t c = per[static_cast<std::size_t>(e * R + p)];
+      lp[e * R + p] = (begin << 32) | c;
+      begin += c;
+    }
+  }
+  out.count = cnt.to(dev);
+  out.layout_range = lr.to(dev);
+  if (loops(dev)) {
+    out.src_info = at::full({E, slots}, -1, opts.dtype(at::kInt));
+    auto* sp = out.src_info.data_ptr<std::int32_t>();
+    const at::Tensor s_host = src.contiguous();
+    const auto* sv = s_host.data_ptr<std::int32_t>();
+    for (std::int64_t q = 0; q < N; ++q) sp[gp[q]] = sv[q];
+    for (const auto& r : rows) {
+      const std::int64_t nb = r.size(1);
+      at::Tensor o = at::empty({E, slots, nb}, opts.dtype(at::kByte));
+      const at::Tensor rc = r.contiguous();
+      const auto* rp = rc.data_ptr<std::uint8_t>();
+      auto* op = o.data_ptr<std::uint8_t>();
+      for (std::int64_t q = 0; q < N; ++q) std::memcpy(op + gp[q] * nb, rp + q * nb, static_cast<std::size_t>(nb));
+      out.rows.push_back(o);
+    }
+    return out;
+  }
+  const at::Tensor g = out.gather.to(dev);
+  out.src_info = at::full({E * slots}, -1, opts.dtype(at::kInt));
+  out.src_info.index_copy_(0, g, src.reshape({-1}));
+  out.src_info = out.src_info.view({E, slots});
+  for (const auto& r : rows) {
+    at::Tensor o = at::empty({E * slots, r.size(1)}, opts.dtype(at::kByte));
+    o.index_copy_(0, g, r);
+    out.rows.push_back(o.view({E, slots, r.size(1)}));
+  }
+  return out;
+}
+
 }  // namespace commux::ep

@@ -93,4 +93,19 @@ LocalIds local_ids(const at::Tensor& gid, const at::Tensor& weights, std::int64_
 std::vector<at::Tensor> combine_sum(const at::Tensor& x, const at::Tensor& weights,
                                     const at::Tensor& order, std::int64_t tokens);
 
+// Low-latency dispatch, receive side: places the N arrived rows (grouped by source rank, recv
+// counts[p] from rank p; rows[f] are [N, bytes_f] uint8 payloads, expert[N] int32 global ids on
+// this rank, src[N] int32 source tokens) into each local expert's slots from the start, in
+// arrival order (by source rank, then token).
+struct Placed {
+  std::vector<at::Tensor> rows;  // [experts_here, slots, bytes_f] uint8; unwritten beyond counts
+  at::Tensor src_info;           // [experts_here, slots] int32, -1 where no row
+  at::Tensor count;              // [experts_here] int64
+  at::Tensor layout_range;       // [experts_here, R] int64: (begin << 32) | count per source rank
+  at::Tensor gather;             // [N] int64, host: expert * slots + slot of every arrived row
+};
+Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert, const at::Tensor& src,
+                const std::vector<std::int64_t>& recv_counts, std::int64_t lo, std::int64_t experts_here,
+                std::int64_t slots);
+
 }  // namespace commux::ep
