@@ -355,3 +355,16 @@ def test_a_hang_is_cut_by_the_case_timeout_and_the_run_goes_on(tmp_path):
     assert "run_point" in log and "all_to_all_single" in log   # the stacks of both ranks
     ok = recs["a2a-ucx.normal.bf16.cpu.w2.small"]
     assert ok["outcome"] == "success" and [r["tokens"] for r in ok["rows"]] == [1, 8, 16]
+
+
+@pytest.mark.ucx
+def test_back_to_back_ab_runs_and_checks_every_round_trip():
+    """bench/ep_ab.py (the same-run A/B without barriers) finishes, prints its table and finds
+    every round trip equal to the rank sum."""
+    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ep_ab.py"), "--rounds", "1", "--iters", "2",
+                        "--tokens", "0,3", "--ll", "--timeout", "100"],
+                       capture_output=True, text=True, timeout=150, env=env)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "wrong round trips: 0" in out and "| 3 |" in out, out[-3000:]
