@@ -709,8 +709,13 @@ class Buffer:
         return next(self._calls)
 
     def _slots(self, lane, nbytes: int, device: torch.device) -> torch.Tensor:
-        """Receive memory of one lane, kept across calls (its pages stay mapped) and grown as
-        needed; what a call returns is always copied out of it (or computed from it)."""
+        """Receive memory of one lane. On the host it is kept across calls (its pages stay mapped)
+        and grown as needed; what a call returns is always copied out of it (or computed from it),
+        and that reading is done when the call returns. On a device the reading is queued on the
+        current stream, which the next call may not share, so each call takes fresh memory from
+        the caching allocator instead."""
+        if device.type != "cpu":
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)[:nbytes]
         b = self._kept.get((lane, device))
         if b is None or b.numel() < nbytes:
             b = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
