@@ -257,12 +257,8 @@ class _Call:
         outputs[l](rows received) returns it (flat bytes are taken from it); other lanes land in
         the Buffer's kept receive memory. Returns ([lane tensors], rows from each rank)."""
         buf, R = self.buf, self.buf.group_size
-        try:
-            peers, reasons, got = buf._transport.headers(self.op, self.hdr, "", self.counts,
-                                                         self.hdr[_H_STRIDE], buf._timeout_ms)
-        except BaseException:
-            buf._kept.clear()  # the memory may still be written: never reuse it
-            raise
+        peers, reasons, got = self._guarded(buf._transport.headers, self.op, self.hdr, "", self.counts,
+                                            self.hdr[_H_STRIDE], buf._timeout_ms)
         rows = self._check(peers, reasons, got)
         N = sum(rows)
         sends, send_bytes, recvs, recv_offsets, caps, results = [], [], [], [], [], []
@@ -281,20 +277,21 @@ class _Call:
             recv_offsets.append(list(itertools.accumulate([0] + need[:-1])))
             caps.append(need)
             results.append(res)
-        got = self._send(sends, send_bytes, recvs, recv_offsets, caps)
+        got = self._guarded(buf._transport.exchange_lanes, self.op, sends, send_bytes, recvs,
+                            recv_offsets, caps, buf._timeout_ms)
         for p in range(R):
             if got[p] != sum(c[p] for c in caps):
                 raise _backend_error(f"commux {self.op} (rank {buf.rank} of {R}): rank {p} sent "
                                      f"{got[p]} bytes where its header announced {sum(c[p] for c in caps)}")
         return results, rows
 
-    def _send(self, sends, send_bytes, recvs, offsets, caps):
-        buf = self.buf
+    def _guarded(self, step, *args):
+        """Runs one step; after a failure the kept receive memory may still be written by a
+        cancelled request (the backend keeps it alive), so it is never reused."""
         try:
-            return buf._transport.exchange_lanes(self.op, sends, send_bytes, recvs, offsets, caps,
-                                                 buf._timeout_ms)
+            return step(*args)
         except BaseException:
-            buf._kept.clear()  # the memory may still be written: never reuse it
+            self.buf._kept.clear()
             raise
 
     def _check(self, peers, reasons, got):
@@ -309,9 +306,9 @@ class _Call:
             if got[p] != _HDR_BYTES or row[_H_MAGIC] != _MAGIC:
                 raise _backend_error(f"{who}: rank {p}'s message is not an ep call's header: does "
                                      "every rank make the same calls on the group in the same order?")
-        mine = [self.hdr[f] for f, _ in _MUST_AGREE]
+        agreed = [self.hdr[f] for f, _ in _MUST_AGREE]
         for p, row in enumerate(peers):
-            if [row[f] for f, _ in _MUST_AGREE] == mine:
+            if [row[f] for f, _ in _MUST_AGREE] == agreed:
                 continue
             for field, words in _MUST_AGREE:
                 if row[field] != self.hdr[field]:
@@ -648,7 +645,8 @@ class Buffer:
             cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
         handle = _Handle((src_info, layout_range, cap, H, E), _buffer=self._id, _mode="low_latency",
                          _call=c.number, _tok=tok, _slot=slot, _send_counts=counts,
-                         _recv_counts=recv_counts, _tokens=T, _topk=k, _experts=E, _gather=gather)
+                         _recv_counts=recv_counts, _tokens=T, _topk=k, _experts=E, _gather=gather,
+                         _topk_idx=topk_idx.to(device="cpu", dtype=torch.int64))
         hook = (lambda: None) if return_recv_hook else None
         return recv_x, recv_count.to(torch.int32), handle, self._event(x), hook
 
@@ -673,6 +671,10 @@ class Buffer:
             c.device = x.device
             H = x.shape[2]
             self._check_2d(topk_idx, h._tokens, h._topk, None, "topk_idx")
+            if not torch.equal(topk_idx.to(device="cpu", dtype=torch.int64), h._topk_idx):
+                # The rows come back in the dispatch's (token, slot) order: weights taken for
+                # another routing would be applied to the wrong rows, silently.
+                raise _Rejected("topk_idx is not the one the handle's low_latency_dispatch routed")
             self._check_2d(topk_weights, h._tokens, h._topk, (torch.float32,), "topk_weights")
             if out is not None:
                 self._check_2d(out, h._tokens, H, (torch.bfloat16,), "out")

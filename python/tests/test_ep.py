@@ -425,6 +425,12 @@ def _bad(ctx, case):
     elif case == "destroyed":
         if me == culprit:
             buf.destroy()
+    elif case == "ll_combine_other_topk":
+        ll = Buffer(low_latency_mode=True)
+        h = ll.low_latency_dispatch(x, idx, 8, E, use_fp8=False)[2]
+        other = idx.roll(1, dims=1) if me == culprit else idx  # the same experts, other slots
+        y = torch.zeros(E // R, 8 * R, H, dtype=BF16)
+        call = lambda: ll.low_latency_combine(y, other, w, h)  # noqa: E731
     res = expect_raises(call)
     # the group and a fresh Buffer still work afterwards, with the right result
     all_in = [inputs(r, 5, H, E, k, seed=6) for r in range(R)]
@@ -445,6 +451,7 @@ BAD_CASES = {
     "foreign_handle": ("another Buffer",),
     "low_latency_without_mode": ("low_latency_mode=True",),
     "destroyed": ("destroyed",),
+    "ll_combine_other_topk": ("topk_idx", "routed"),
 }
 
 
@@ -479,3 +486,26 @@ def test_local_errors(ranks, ws):
     for r1, r2 in ranks.run(_local_layout_errors, timeout=FAST):
         assert r1["type"] == "ValueError" and mentions(r1["msg"], "get_dispatch_layout", "outside")
         assert r2["type"] == "ValueError" and mentions(r2["msg"], "enable_shrink")
+
+
+def _under_detail_wrapper(ctx):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend; the Buffer must still use commux's own
+    exchange (the wrapped backend), with the right result."""
+    from commux.ep import Buffer, _Ucx
+    R, me, H, E = ctx.world, ctx.rank, 128, 4 * ctx.world
+    buf = Buffer()
+    all_in = [inputs(r, 6, H, E, 2, seed=21) for r in range(R)]
+    rx = buf.dispatch(all_in[me][0], topk_idx=all_in[me][1], num_experts=E)[0]
+    check("dispatch under the DETAIL wrapper", rx, ref_dispatch(all_in, me, R, E)[0])
+    return type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__, isinstance(buf._transport, _Ucx)
+
+
+@pytest.mark.oneoff
+def test_buffer_under_torch_distributed_debug_detail():
+    import mp
+    outs, _ = mp.run_once(_under_detail_wrapper, 2, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    for o in outs:
+        assert o.ok, f"rank {o.rank}: {o.exc_type}: {o.exc_msg}\n{o.tb}"
+        backend, own = o.value
+        assert backend != "ProcessGroupUCX", f"the backend was not wrapped ({backend}): the test proves nothing"
+        assert own, "the Buffer fell back to all_to_all_single under the wrapper"
