@@ -31,6 +31,9 @@
 
 namespace commux {
 
+class Communicator;
+class Request;
+
 inline constexpr int kAnySource = -1;
 
 enum class MemoryType : std::uint8_t { kHost, kCuda, kCudaManaged, kRocm, kZe, kUnknown };
@@ -73,14 +76,17 @@ struct Options {
 };
 
 namespace detail {
-struct Op;
-class Engine;
+class RequestState;
+class Channel;
+Channel& channel(Communicator& comm) noexcept;
+std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel);
+Request make_request(std::shared_ptr<RequestState> state) noexcept;
 }  // namespace detail
 
 class Request {
  public:
   Request() = default;
-  bool valid() const noexcept { return op_ != nullptr; }
+  bool valid() const noexcept { return state_ != nullptr; }
   // Non-blocking: drives progress once and reports whether the operation has finished
   // (successfully or not). Never throws for the operation's own failure; see error().
   bool test();
@@ -100,10 +106,10 @@ class Request {
   void cancel();
 
  private:
-  friend class detail::Engine;
   friend class Communicator;
-  explicit Request(std::shared_ptr<detail::Op> op) : op_(std::move(op)) {}
-  std::shared_ptr<detail::Op> op_;
+  friend Request detail::make_request(std::shared_ptr<detail::RequestState> state) noexcept;
+  explicit Request(std::shared_ptr<detail::RequestState> state) noexcept : state_(std::move(state)) {}
+  std::shared_ptr<detail::RequestState> state_;
 };
 
 // Facts about the UCX in use, for diagnostics (`commux_info`, the benchmark, python -m commux.info).
@@ -150,19 +156,19 @@ class Communicator {
   // Returns the completed request, so source() and bytes() can be read.
   Request recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag);
 
-  // Internal traffic (collectives): same matching rules, tag kind kInternal.
-  Request post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
-                    std::uint32_t tag, bool fast_completion = false);
-  Request post_recv(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
-                    std::uint32_t tag);
-
   // Cancels what is still posted, flushes and closes endpoints; bounded by
   // options().shutdown_timeout. Called by the destructor; safe to call twice.
   void shutdown();
 
  private:
+  // The collectives and the torch adapter post their internal traffic on the channel itself
+  // (src/core/channel.hpp, not installed); this class offers user tags only.
+  friend detail::Channel& detail::channel(Communicator& comm) noexcept;
+  friend std::unique_ptr<Communicator> detail::communicator_over(
+      std::shared_ptr<detail::Channel> channel);
+  explicit Communicator(std::shared_ptr<detail::Channel> channel);
   void wait_or_cancel(Request& r);
-  std::shared_ptr<detail::Engine> engine_;
+  std::shared_ptr<detail::Channel> channel_;
 };
 
 }  // namespace commux

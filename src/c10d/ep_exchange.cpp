@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "commux/process_group_ucx.hpp"
+#include "../core/channel.hpp"
 #include "device.hpp"
 #include "work.hpp"
 
@@ -136,14 +137,14 @@ std::vector<std::int64_t> ProcessGroupUCX::exchange_lanes(
     for (int p = 0; p < size; ++p) {
       if (p == me) continue;
       const std::size_t n = gather(p, false);
-      if (n > 0) posted.push_back({comm_->post_recv(parts.data(), n, p, TagKind::kInternal, tag), p, false});
+      if (n > 0) posted.push_back({commux::detail::channel(*comm_).post_recv(parts.data(), n, p, TagKind::kInternal, tag), p, false});
     }
     for (int i = 1; i < size; ++i) {  // start with the next rank, so no peer is everyone's first
       const int p = (me + i) % size;
       const std::size_t n = gather(p, true);
       // Waited on at once: UCX may then stay eager up to its fast-completion threshold.
       if (n > 0) {
-        posted.push_back({comm_->post_send(parts.data(), n, p, TagKind::kInternal, tag, /*fast_completion=*/true), p, true});
+        posted.push_back({commux::detail::channel(*comm_).post_send(parts.data(), n, p, TagKind::kInternal, tag, /*fast_completion=*/true), p, true});
       }
     }
     for (std::size_t l = 0; l < L; ++l) {

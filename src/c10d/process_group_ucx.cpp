@@ -15,6 +15,7 @@
 
 #include "commux/collectives.hpp"
 #include "commux/error.hpp"
+#include "../core/channel.hpp"
 #include "device.hpp"
 #include "torch_compat.hpp"
 #include "work.hpp"
@@ -522,9 +523,9 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
     // this call must be complete. This waits on an event, not on the whole device.
     if (device) StreamFence(tensors).wait(Clock::now() + timeout_, op);
     r = type == c10d::OpType::SEND
-            ? comm_->post_send(b, tensors.size(), peer, TagKind::kUser,
+            ? commux::detail::channel(*comm_).post_send(b, tensors.size(), peer, TagKind::kUser,
                                static_cast<std::uint32_t>(tag), /*fast_completion=*/true)
-            : comm_->post_recv(b, tensors.size(), peer, TagKind::kUser,
+            : commux::detail::channel(*comm_).post_recv(b, tensors.size(), peer, TagKind::kUser,
                                static_cast<std::uint32_t>(tag));
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());

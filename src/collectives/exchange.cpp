@@ -1,5 +1,7 @@
 #include "exchange.hpp"
 
+#include "../core/channel.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <mutex>
@@ -96,14 +98,15 @@ std::string inner_message(const char* what) {
 
 }  // namespace
 
-Exchange::Exchange(const Context& ctx) : ctx_(ctx), comm_(ctx.comm) {
+Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
   ctx_.op_name = op_or_default(ctx.op_name);
-  if (comm_ == nullptr) invalid(ctx_, "Context::comm is null");
-  rank_ = comm_->rank();
-  size_ = comm_->size();
+  if (ctx.comm == nullptr) invalid(ctx_, "Context::comm is null");
+  chan_ = &::commux::detail::channel(*ctx.comm);
+  rank_ = chan_->rank();
+  size_ = chan_->size();
   const auto now = Clock::now();
   if (ctx.deadline == Clock::time_point::max()) {
-    deadline_ = now + comm_->options().timeout;
+    deadline_ = now + chan_->options().timeout;
   } else {
     deadline_ = ctx.deadline;
   }
@@ -137,7 +140,7 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
   try {
     // Fast completion: the collectives wait for their sends at once; UCX applies it only to
     // messages below its eager threshold, large ones stay zero-copy rendezvous.
-    reqs_.push_back(comm_->post_send(&b, 1, peer, TagKind::kInternal, ctx_.tag, true));
+    reqs_.push_back(chan_->post_send(&b, 1, peer, TagKind::kInternal, ctx_.tag, true));
   } catch (const Error& e) {
     rethrow(e);
   }
@@ -147,7 +150,7 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
 std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType mem) {
   const Buffer b{data, bytes, mem};
   try {
-    reqs_.push_back(comm_->post_recv(&b, 1, peer, TagKind::kInternal, ctx_.tag));
+    reqs_.push_back(chan_->post_recv(&b, 1, peer, TagKind::kInternal, ctx_.tag));
   } catch (const Error& e) {
     rethrow(e);
   }

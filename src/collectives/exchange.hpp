@@ -9,7 +9,7 @@
 //     after the collective returns or throws. A request that does not finish even then is parked,
 //     with the scratch memory, in a process-wide list that is emptied once they complete.
 //
-// No UCX here: only Communicator::post_send/post_recv and Request.
+// No UCX here: only the internal channel (src/core/channel.hpp) and Request.
 #pragma once
 
 #include <chrono>
@@ -19,6 +19,10 @@
 #include <vector>
 
 #include "commux/collectives.hpp"
+
+namespace commux::detail {
+class Channel;
+}  // namespace commux::detail
 
 namespace commux::coll::detail {
 
@@ -88,7 +92,7 @@ class Exchange {
   std::string cleanup_note() const;
 
   Context ctx_;
-  Communicator* comm_;
+  ::commux::detail::Channel* chan_ = nullptr;
   int rank_;
   int size_;
   Clock::time_point deadline_;

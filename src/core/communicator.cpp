@@ -71,53 +71,66 @@ Options Options::from_env() {
 // --- Request ---------------------------------------------------------------------------------
 
 namespace {
-void require(const std::shared_ptr<detail::Op>& op) {
-  if (!op) throw Error(Errc::kInvalidArgument, "commux request: empty Request");
+void require(const std::shared_ptr<detail::RequestState>& state) {
+  if (!state) throw Error(Errc::kInvalidArgument, "commux request: empty Request");
 }
 }  // namespace
 
 bool Request::test() {
-  require(op_);
-  return op_->engine->test(*op_);
+  require(state_);
+  return state_->test();
 }
 
 void Request::wait() {
-  require(op_);
-  wait(op_->engine->options().timeout);
+  require(state_);
+  wait(state_->default_timeout());
 }
 
 void Request::wait(std::chrono::milliseconds timeout) {
-  require(op_);
+  require(state_);
   try {
-    op_->engine->wait(*op_, timeout);
+    state_->wait_for(timeout);
   } catch (const Error& e) {
     throw Error(e.code(), std::string(e.what()) +
                               "; the operation is still posted: wait again or cancel it");
   }
-  if (op_->error) std::rethrow_exception(op_->error);
+  if (auto error = state_->failure()) std::rethrow_exception(error);
 }
 
-bool Request::done() const noexcept { return op_ && op_->done.load(); }
+bool Request::done() const noexcept { return state_ && state_->finished(); }
 
 int Request::source() const {
-  require(op_);
-  return op_->done.load() ? op_->source : op_->peer;
+  require(state_);
+  return state_->finished() ? state_->sender() : state_->posted_peer();
 }
 
 std::size_t Request::bytes() const {
-  require(op_);
-  return op_->done.load() ? op_->bytes : 0;
+  require(state_);
+  return state_->finished() ? state_->transferred() : 0;
 }
 
 std::exception_ptr Request::error() const {
-  require(op_);
-  return op_->done.load() ? op_->error : nullptr;
+  require(state_);
+  return state_->finished() ? state_->failure() : nullptr;
 }
 
 void Request::cancel() {
-  require(op_);
-  op_->engine->cancel(*op_);
+  require(state_);
+  state_->request_cancel();
 }
+
+namespace detail {
+
+Request make_request(std::shared_ptr<RequestState> state) noexcept { return Request(std::move(state)); }
+
+Channel& channel(Communicator& comm) noexcept { return *comm.channel_; }
+
+std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel) {
+  if (!channel) throw Error(Errc::kInvalidArgument, "commux init: no channel given");
+  return std::unique_ptr<Communicator>(new Communicator(std::move(channel)));
+}
+
+}  // namespace detail
 
 RuntimeInfo probe_runtime(const Options& options) {
   char tmpl[] = "/tmp/commux-probe-XXXXXX";
@@ -139,83 +152,80 @@ RuntimeInfo probe_runtime(const Options& options) {
 
 // --- Communicator ----------------------------------------------------------------------------
 
-Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size, Options options)
-    : engine_(std::make_shared<detail::Engine>(std::move(store), rank, size, std::move(options))) {
-  engine_->start();
+namespace {
+std::shared_ptr<detail::Engine> started_engine(std::shared_ptr<Store> store, int rank, int size,
+                                               Options options) {
+  auto engine = std::make_shared<detail::Engine>(std::move(store), rank, size, std::move(options));
+  engine->start();
+  return engine;
 }
+}  // namespace
+
+Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size, Options options)
+    : channel_(started_engine(std::move(store), rank, size, std::move(options))) {}
+
+Communicator::Communicator(std::shared_ptr<detail::Channel> channel) : channel_(std::move(channel)) {}
 
 Communicator::~Communicator() { shutdown(); }
 
 void Communicator::shutdown() {
-  if (engine_) engine_->shutdown();
+  if (channel_) channel_->shutdown();
 }
 
-int Communicator::rank() const noexcept { return engine_->rank(); }
-int Communicator::size() const noexcept { return engine_->size(); }
-const Options& Communicator::options() const noexcept { return engine_->options(); }
-const RuntimeInfo& Communicator::runtime_info() const noexcept { return engine_->info(); }
+int Communicator::rank() const noexcept { return channel_->rank(); }
+int Communicator::size() const noexcept { return channel_->size(); }
+const Options& Communicator::options() const noexcept { return channel_->options(); }
+const RuntimeInfo& Communicator::runtime_info() const noexcept { return channel_->info(); }
 
 Request Communicator::isend(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "isend");
-  return Request(engine_->post(detail::Op::Kind::kSend, "isend", buffers.data(), buffers.size(),
-                               peer, TagKind::kUser, t, false));
+  return channel_->post(detail::Direction::kSend, "isend", buffers.data(), buffers.size(), peer,
+                        TagKind::kUser, t, false);
 }
 
 Request Communicator::irecv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "irecv");
-  return Request(engine_->post(detail::Op::Kind::kRecv, "irecv", buffers.data(), buffers.size(),
-                               peer, TagKind::kUser, t, false));
+  return channel_->post(detail::Direction::kRecv, "irecv", buffers.data(), buffers.size(), peer,
+                        TagKind::kUser, t, false);
 }
 
 // The blocking forms never return with the operation still posted: the caller gets no Request
 // to cancel, and its buffers may be gone. On a timeout the operation is cancelled and waited for
 // (bounded by the shutdown timeout) before the timeout error is thrown.
 void Communicator::wait_or_cancel(Request& r) {
-  detail::Op& op = *r.op_;
+  detail::RequestState& op = *r.state_;
   try {
-    op.engine->wait(op, options().timeout);
+    op.wait_for(options().timeout);
   } catch (const Error& timeout) {
-    r.cancel();
+    op.request_cancel();
     try {
-      op.engine->wait(op, options().shutdown_timeout);
+      op.wait_for(options().shutdown_timeout);
     } catch (const Error&) {
       throw Error(Errc::kTimeout, std::string(timeout.what()) +
                                       "; cancelling it did not finish either, so its buffers "
                                       "must stay alive until the communicator is shut down");
     }
-    if (op.error != nullptr) {
+    if (op.failure() != nullptr) {
       throw Error(Errc::kTimeout, std::string(timeout.what()) + "; the operation was cancelled");
     }
     // It matched while being cancelled: a success after all.
   }
-  if (op.error) std::rethrow_exception(op.error);
+  if (auto error = op.failure()) std::rethrow_exception(error);
 }
 
 void Communicator::send(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "send");
-  Request r(engine_->post(detail::Op::Kind::kSend, "send", buffers.data(), buffers.size(), peer,
-                          TagKind::kUser, t, true));
+  Request r = channel_->post(detail::Direction::kSend, "send", buffers.data(), buffers.size(),
+                             peer, TagKind::kUser, t, true);
   wait_or_cancel(r);
 }
 
 Request Communicator::recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "recv");
-  Request r(engine_->post(detail::Op::Kind::kRecv, "recv", buffers.data(), buffers.size(), peer,
-                          TagKind::kUser, t, false));
+  Request r = channel_->post(detail::Direction::kRecv, "recv", buffers.data(), buffers.size(),
+                             peer, TagKind::kUser, t, false);
   wait_or_cancel(r);
   return r;
-}
-
-Request Communicator::post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
-                                std::uint32_t tag, bool fast_completion) {
-  return Request(engine_->post(detail::Op::Kind::kSend, "send", buffers, count, peer, kind, tag,
-                               fast_completion));
-}
-
-Request Communicator::post_recv(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
-                                std::uint32_t tag) {
-  return Request(engine_->post(detail::Op::Kind::kRecv, "recv", buffers, count, peer, kind, tag,
-                               false));
 }
 
 }  // namespace commux

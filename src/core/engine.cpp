@@ -122,6 +122,7 @@ Engine::~Engine() {
     le.engines.erase(this);
   }
   shutdown();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void Engine::start() {
@@ -272,7 +273,7 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
   }
 }
 
-std::shared_ptr<Op> Engine::post(Op::Kind kind, const char* name, const Buffer* buffers,
+std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffer* buffers,
                                  std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
                                  bool fast_completion) {
   validate(kind, name, buffers, count, peer);
@@ -678,6 +679,17 @@ bool Engine::wait_for_kick(std::chrono::microseconds timeout, int other_fd) {
   return false;
 }
 
+Request Engine::post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
+                     int peer, TagKind kind, std::uint32_t tag, bool fast_completion) {
+  return make_request(post_op(dir == Direction::kSend ? Op::Kind::kSend : Op::Kind::kRecv, name,
+                              buffers, count, peer, kind, tag, fast_completion));
+}
+
+bool Op::test() { return engine->test(*this); }
+void Op::wait_for(std::chrono::milliseconds timeout) { engine->wait(*this, timeout); }
+void Op::request_cancel() { engine->cancel(*this); }
+std::chrono::milliseconds Op::default_timeout() const noexcept { return engine->options().timeout; }
+
 bool Engine::test(Op& op) {
   if (op.done.load()) return true;
   std::unique_lock<std::mutex> lock(worker_mu_, std::try_to_lock);
@@ -818,8 +830,8 @@ void Engine::shutdown() {
     finish_locked(*op);
   }
   deferred_.clear();
-  if (wake_fd_ >= 0) ::close(wake_fd_);
-  wake_fd_ = -1;
+  // wake_fd_ stays open until ~Engine: waiting threads kick() it without the lock, and each of
+  // them holds the Engine alive through its Op, so none can be using it once it is closed.
 }
 
 }  // namespace commux::detail

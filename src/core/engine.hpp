@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "channel.hpp"
 #include "commux/communicator.hpp"
 #include "peer_record.hpp"
 
@@ -59,7 +60,7 @@ struct Part {
   ucp_tag_recv_info_t info{};       // receive info of an immediately completed receive
 };
 
-struct Op {
+struct Op final : RequestState {
   enum class Kind : std::uint8_t { kSend, kRecv };
   Kind kind = Kind::kSend;
   const char* name = "";            // operation name for messages ("isend", "irecv", ...)
@@ -88,27 +89,41 @@ struct Op {
   int source = -1;                  // [mu] real sender (receives)
   std::size_t bytes = 0;            // [mu] bytes moved
   std::exception_ptr error;         // set once when finished
+
+  // RequestState
+  bool test() override;
+  void wait_for(std::chrono::milliseconds timeout) override;
+  void request_cancel() override;
+  bool finished() const noexcept override { return done.load(); }
+  int posted_peer() const noexcept override { return peer; }
+  int sender() const noexcept override { return source; }
+  std::size_t transferred() const noexcept override { return bytes; }
+  std::exception_ptr failure() const noexcept override { return error; }
+  std::chrono::milliseconds default_timeout() const noexcept override;
 };
 
-class Engine : public std::enable_shared_from_this<Engine> {
+class Engine final : public Channel, public std::enable_shared_from_this<Engine> {
  public:
   Engine(std::shared_ptr<Store> store, int rank, int size, Options options);
   ~Engine();
 
   void start();  // bootstrap + progress thread; separate from the constructor (shared_from_this)
-  void shutdown();
 
-  std::shared_ptr<Op> post(Op::Kind kind, const char* name, const Buffer* buffers,
+  // Channel
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+  const Options& options() const noexcept override { return options_; }
+  const RuntimeInfo& info() const noexcept override { return info_; }
+  Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
+               int peer, TagKind kind, std::uint32_t tag, bool fast_completion) override;
+  void shutdown() override;
+
+  std::shared_ptr<Op> post_op(Op::Kind kind, const char* name, const Buffer* buffers,
                            std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
                            bool fast_completion);
   void wait(Op& op, std::chrono::milliseconds timeout);
   bool test(Op& op);
   void cancel(Op& op);
-
-  int rank() const noexcept { return rank_; }
-  int size() const noexcept { return size_; }
-  const Options& options() const noexcept { return options_; }
-  const RuntimeInfo& info() const noexcept { return info_; }
 
  private:
   static void send_cb(void* request, ucs_status_t status, void* user_data);
@@ -154,7 +169,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::chrono::steady_clock::time_point next_reap_{};  // [mu]
   int efd_ = -1;                                    // worker event fd, -1 if none
   bool use_wakeup_ = false;   // event-fd waiting (Options::wakeup, resolved)
-  int wake_fd_ = -1;                                // eventfd that wakes the progress thread
+  int wake_fd_ = -1;  // eventfd that wakes the progress thread: set in start(), closed in ~Engine
 
   std::mutex worker_mu_;
   Op* inflight_ = nullptr;                          // [mu] intrusive list of in-flight ops

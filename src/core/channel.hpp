@@ -1,0 +1,87 @@
+// The internal channel: tagged point-to-point with a traffic kind, for the layers above core.
+//
+// Not installed. The public commux::Communicator offers user-tag operations only (its tags are
+// checked and always carry TagKind::kUser), so user traffic can never match a collective's
+// message (see commux/tag.hpp). The collectives (src/collectives) and the torch adapter
+// (src/c10d) post their own traffic through this channel instead: detail::channel(comm).
+//
+// Implementations:
+//   * the UCX engine (src/core/engine.hpp), behind every Communicator a user constructs;
+//   * test channels (tests/loopback_channel.hpp): in-process worlds of threads-as-ranks that run
+//     the real collective code without UCX, record what each rank posts and waits for, and report
+//     a deadlock instead of hanging.
+// A Communicator can be made over any Channel (communicator_over), so everything written against
+// the public API runs over a test channel as well.
+//
+// Requests: a Request is a handle onto a RequestState, which the channel that posted it owns and
+// completes. All methods are thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+
+#include "commux/communicator.hpp"
+#include "commux/tag.hpp"
+
+namespace commux::detail {
+
+enum class Direction : std::uint8_t { kSend, kRecv };
+
+// One posted operation, as Request sees it.
+class RequestState {
+ public:
+  virtual ~RequestState() = default;
+  // Drives progress once; true once finished (successfully or not).
+  virtual bool test() = 0;
+  // Returns once finished; throws Error(kTimeout, ...) naming the operation if it is not finished
+  // after `timeout` (the operation then stays posted). Never throws the operation's own failure.
+  virtual void wait_for(std::chrono::milliseconds timeout) = 0;
+  // Asks the channel to cancel; the operation then finishes with kCanceled unless it matched.
+  virtual void request_cancel() = 0;
+  virtual bool finished() const noexcept = 0;
+  virtual int posted_peer() const noexcept = 0;  // as posted (kAnySource possible)
+  // Readable once finished():
+  virtual int sender() const noexcept = 0;        // the real sender of a receive; a send's peer
+  virtual std::size_t transferred() const noexcept = 0;
+  virtual std::exception_ptr failure() const noexcept = 0;
+  // The poster's default wait deadline (Options::timeout of its channel).
+  virtual std::chrono::milliseconds default_timeout() const noexcept = 0;
+};
+
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  virtual int rank() const noexcept = 0;
+  virtual int size() const noexcept = 0;
+  virtual const Options& options() const noexcept = 0;
+  virtual const RuntimeInfo& info() const noexcept = 0;
+  // Posts one logical operation over `count` buffers. `name` ("isend", "send", ...) names it in
+  // errors. fast_completion (sends): ask for local completion as early as the transport allows.
+  // Validation errors (peer, buffers) throw Error(kInvalidArgument) before anything is posted.
+  virtual Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
+                       int peer, TagKind kind, std::uint32_t tag, bool fast_completion) = 0;
+  // Cancels what is posted and releases the transport; bounded by options().shutdown_timeout.
+  // Safe to call twice.
+  virtual void shutdown() = 0;
+
+  Request post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                    std::uint32_t tag, bool fast_completion = false) {
+    return post(Direction::kSend, "send", buffers, count, peer, kind, tag, fast_completion);
+  }
+  Request post_recv(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                    std::uint32_t tag) {
+    return post(Direction::kRecv, "recv", buffers, count, peer, kind, tag, false);
+  }
+};
+
+// The channel behind a Communicator.
+Channel& channel(Communicator& comm) noexcept;
+// A Communicator over any channel (the test channels use it; the Communicator shuts it down).
+std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel);
+// A Request onto a state (for Channel implementations).
+Request make_request(std::shared_ptr<RequestState> state) noexcept;
+
+}  // namespace commux::detail
