@@ -61,13 +61,16 @@ stage_asan() {
 
 stage_bench() {
   echo "== benchmark smoke run (correctness checked; timings not judged)"
-  [ -x build/commux_bench ] || scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
+  [ -x build/bench/commux_bench ] || scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
   .venv/bin/python bench/run_bench.py build --quick --settle 0 --out results/p2p-smoke
 }
 
 stage_python() {
   echo "== Python package (pip install . --no-build-isolation) and its tests"
   scripts/install.sh
+  # python/tests/test_bench_suite.py requires every collectives backend, the C++ and MPI ones too.
+  [ -x build/bench/commux_coll_bench ] && [ -x build/bench/mpi_coll ] ||
+    scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
   run_pytest .venv/bin/python python/tests
 }
 

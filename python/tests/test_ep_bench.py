@@ -359,10 +359,10 @@ def test_a_hang_is_cut_by_the_case_timeout_and_the_run_goes_on(tmp_path):
 
 @pytest.mark.ucx
 def test_back_to_back_ab_runs_and_checks_every_round_trip():
-    """bench/ep_ab.py (the same-run A/B without barriers) finishes, prints its table and finds
+    """bench/experiments/ep_ab.py (the same-run A/B without barriers) finishes, prints its table and finds
     every round trip equal to the rank sum."""
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ep_ab.py"), "--rounds", "1", "--iters", "2",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "experiments", "ep_ab.py"), "--rounds", "1", "--iters", "2",
                         "--tokens", "0,3", "--ll", "--timeout", "100"],
                        capture_output=True, text=True, timeout=150, env=env)
     out = p.stdout + p.stderr

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Same-run A/B of one MoE round trip (dispatch + combine), back to back, results checked:
 
-    .venv/bin/python bench/ep_ab.py [--world 2] [--tokens 1,8,32,128] [--rounds 5] [--iters 40]
+    .venv/bin/python bench/experiments/ep_ab.py [--world 2] [--tokens 1,8,32,128] [--rounds 5]
+                                                [--iters 40] [--ll] [--timeout S]
 
 commux-ep (commux.ep.Buffer on the "ucx" group) beside the torchtitan-style path (permute,
 all_to_all_single of the counts, of the rows and of the metadata, the reverse all_to_all_single
@@ -16,9 +17,13 @@ bench/ep (hidden 2048, 64 experts, top-8), bf16, CPU. `--world 1` measures the B
 """
 import argparse
 import os
-import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.lib.launch import launch_ranks  # noqa: E402
 
 H, E, K = 2048, 64, 8
 
@@ -26,7 +31,8 @@ H, E, K = 2048, 64, 8
 def _a2a_round_trip(dist, torch, x, idx, w, world, group=None):
     epr = E // world
     dest = torch.where(idx >= 0, idx // epr, torch.full_like(idx, world))
-    in_rank = torch.zeros(x.shape[0], world + 1, dtype=torch.bool).scatter_(1, dest, True)[:, :world]
+    in_rank = torch.zeros(x.shape[0], world + 1, dtype=torch.bool).scatter_(1, dest, True)
+    in_rank = in_rank[:, :world]
     order = in_rank.t().nonzero()[:, 1]
     cnt = in_rank.sum(0)
     rc = torch.empty_like(cnt)
@@ -45,14 +51,16 @@ def _a2a_round_trip(dist, torch, x, idx, w, world, group=None):
     return acc.to(torch.bfloat16)
 
 
-def rank_main(rank, world, port, args):
+def run_rank(job):
     import torch
     import torch.distributed as dist
     import commux  # noqa: F401  (registers "ucx")
     from commux.ep import Buffer
 
+    args = SimpleNamespace(**job["args"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("ucx", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("ucx", init_method="env://")
     gloo = dist.new_group(backend="gloo")
     buf = Buffer()
     llbuf = Buffer(low_latency_mode=True) if args.ll else None
@@ -69,7 +77,8 @@ def rank_main(rank, world, port, args):
             for r in range(world):  # the unweighted rank sum of the token's own row
                 want += x.float() * ((idx >= r * epr) & (idx < (r + 1) * epr)).any(1, keepdim=True)
             want = want.to(torch.bfloat16)
-            rows = sum(int(((idx >= r * epr) & (idx < (r + 1) * epr)).any(1).sum()) for r in range(world))
+            rows = sum(int(((idx >= r * epr) & (idx < (r + 1) * epr)).any(1).sum())
+                       for r in range(world))
             t = torch.tensor([rows])
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)  # one size on every rank
             rows = int(t)
@@ -84,10 +93,16 @@ def rank_main(rank, world, port, args):
                 rx, cnt, h, _, _ = llbuf.low_latency_dispatch(x, idx, max(tokens), E, use_fp8=False)
                 return rx, h
 
-            cases = [("commux-ep", ep_rt, True), ("a2a-ucx", lambda: _a2a_round_trip(dist, torch, x, idx, w, world), True)]
+            def a2a_rt(group=None):
+                return _a2a_round_trip(dist, torch, x, idx, w, world, group)
+
+            def ep_dispatch():
+                return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+
+            cases = [("commux-ep", ep_rt, True), ("a2a-ucx", a2a_rt, True)]
             if world > 1:
-                cases.append(("a2a-gloo", lambda: _a2a_round_trip(dist, torch, x, idx, w, world, gloo), True))
-            cases += [("ep-dispatch", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E), False),
+                cases.append(("a2a-gloo", lambda: a2a_rt(gloo), True))
+            cases += [("ep-dispatch", ep_dispatch, False),
                       ("a2a-single", lambda: dist.all_to_all_single(yrecv, ysend), False)]
             if llbuf is not None:
                 cases.append(("ll-dispatch", ll_rt, False))
@@ -112,19 +127,20 @@ def rank_main(rank, world, port, args):
             return v[len(v) // 2]
         print(f"ep_ab: {world} ranks, hidden {H}, {E} experts, top-{K}, bf16, cpu; "
               f"{args.rounds} rounds x {args.iters} back-to-back iterations; microseconds")
-        cols = ["commux-ep", "a2a-ucx"] + (["a2a-gloo"] if world > 1 else []) + ["ep-dispatch", "a2a-single"] + (
-            ["ll-dispatch"] if args.ll else [])
-        print("| T | " + " | ".join(cols) + " | ep / a2a-ucx | " + ("ep / a2a-gloo | " if world > 1 else "")
-              + "dispatch / a2a-single |")
+        cols = (["commux-ep", "a2a-ucx"] + (["a2a-gloo"] if world > 1 else [])
+                + ["ep-dispatch", "a2a-single"] + (["ll-dispatch"] if args.ll else []))
+        print("| T | " + " | ".join(cols) + " | ep / a2a-ucx | "
+              + ("ep / a2a-gloo | " if world > 1 else "") + "dispatch / a2a-single |")
         print("|---:|" + "---:|" * (len(cols) + 2 + (world > 1)))
         for T in tokens:
             m = {c: med(T, c) for c in cols}
             extra = f" {m['commux-ep'] / m['a2a-gloo']:.2f} |" if world > 1 else ""
             print(f"| {T} | " + " | ".join(f"{m[c]:.0f}" for c in cols)
-                  + f" | {m['commux-ep'] / m['a2a-ucx']:.2f} |{extra} {m['ep-dispatch'] / m['a2a-single']:.2f} |")
+                  + f" | {m['commux-ep'] / m['a2a-ucx']:.2f} |{extra} "
+                  + f"{m['ep-dispatch'] / m['a2a-single']:.2f} |")
         print(f"wrong round trips: {wrong}")
     dist.destroy_process_group()
-    return wrong
+    return {"wrong": wrong}
 
 
 def main():
@@ -134,31 +150,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--ll", action="store_true", help="also time the low-latency dispatch")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")
-    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=600,
+                    help="seconds before the ranks are killed")
     args = ap.parse_args()
-    if args.rank is not None:
-        sys.exit(1 if rank_main(args.rank, args.world, args.port, args) else 0)
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-    argv = [a for a in sys.argv[1:]]
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--rank", str(r), "--port", str(port)], env=env)
-             for r in range(args.world)]
-    deadline = time.monotonic() + args.timeout
-    rc = 0
-    for p in procs:
-        try:
-            rc |= p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            print(f"ep_ab: ranks killed after {args.timeout:.0f} s", file=sys.stderr)
-            sys.exit(1)
-    sys.exit(1 if rc else 0)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    job = {"args": vars(args), "env": {"OMP_NUM_THREADS": "1"}}
+    results, errors = launch_ranks(args.world, run_rank, job, args.timeout, "ep_ab")
+    for e in errors:
+        print(f"ep_ab: {e}", file=sys.stderr)
+    sys.exit(1 if errors or any(r["wrong"] for r in results.values()) else 0)
 
 
 if __name__ == "__main__":

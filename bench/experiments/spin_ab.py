@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Same-launch A/B of the torch backend's hand-off polling (COMMUX_SPIN_US).
 
-    .venv/bin/python bench/spin_ab.py [--sizes 8,4096,65536,1048576] [--iters 300] [--rounds 5]
+    .venv/bin/python bench/experiments/spin_ab.py [--sizes 8,4096,65536,1048576] [--iters 300]
+                                                  [--rounds 5]
 
 Two ranks. Each creates two "ucx" groups in one launch: one with the default COMMUX_SPIN_US
 (the waiter of a short collective and the worker thread poll before sleeping) and one created
@@ -16,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import coll_bench as cb  # noqa: E402  (the rank launcher)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.lib.launch import launch_ranks  # noqa: E402
 
 
 def run_rank(job):
@@ -61,7 +62,7 @@ def main():
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     job = {"sizes": [int(s) for s in a.sizes.split(",")], "iters": a.iters, "rounds": a.rounds,
            "env": {"COMMUX_SPIN_US": None}}
-    results, errors = cb.launch_ranks(2, run_rank, job, 600, "spin A/B")
+    results, errors = launch_ranks(2, run_rank, job, 600, "spin A/B")
     for e in errors:
         print(f"spin_ab: {e}", file=sys.stderr)
     if errors or 0 not in results:

@@ -2,7 +2,8 @@
 kernels (group A) and through the ATen DeviceOps that CUDA tensors use (group B, the variable set
 while that group is created), interleaved in one run of 2 ranks, every result checked.
 
-    .venv/bin/python bench/aten_reduce_ab.py [--sizes 4096,1048576,67108864] [--iters 20]
+    .venv/bin/python bench/experiments/aten_reduce_ab.py [--sizes 4096,1048576,67108864]
+                                                         [--iters 20]
 
 Prints per size: median time of each group and the ratio aten/kernels (< 1: ATen faster).
 """
@@ -10,19 +11,22 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.lib.launch import launch_ranks  # noqa: E402
 
 
-def rank_main(rank, world, store_path, sizes, iters, out_q):
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: no OpenMP spinning against the peer
+def run_rank(job):
+    import torch
+    import torch.distributed as dist
     import commux  # noqa: F401  -- registers "ucx"
 
-    dist.init_process_group("ucx", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: no OpenMP spinning against the peer
+    sizes, iters = job["sizes"], job["iters"]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("ucx", init_method="env://")
     os.environ.pop("COMMUX_ATEN_REDUCE", None)
     kernels = dist.new_group(backend="ucx")
     os.environ["COMMUX_ATEN_REDUCE"] = "1"
@@ -34,7 +38,8 @@ def rank_main(rank, world, store_path, sizes, iters, out_q):
         times = {"kernels": [], "aten": []}
         wrong = 0
         for it in range(iters):
-            for name, g in (("kernels", kernels), ("aten", aten)) if it % 2 == 0 else (("aten", aten), ("kernels", kernels)):
+            pair = (("kernels", kernels), ("aten", aten))
+            for name, g in pair if it % 2 == 0 else pair[::-1]:
                 t = torch.full((n,), float(rank + 1))
                 dist.barrier(group=g)
                 t0 = time.perf_counter()
@@ -42,12 +47,12 @@ def rank_main(rank, world, store_path, sizes, iters, out_q):
                 times[name].append(time.perf_counter() - t0)
                 if not bool((t == float(world * (world + 1) // 2)).all()):
                     wrong += 1
-        rows.append((nbytes, statistics.median(times["kernels"]), statistics.median(times["aten"]), wrong))
+        rows.append((nbytes, statistics.median(times["kernels"]), statistics.median(times["aten"]),
+                     wrong))
     be = aten._get_backend(torch.device("cpu"))
     calls = be.device_ops_calls
     dist.destroy_process_group()
-    if rank == 0:
-        out_q.put((rows, calls))
+    return {"rows": rows, "calls": calls}
 
 
 def main():
@@ -57,15 +62,13 @@ def main():
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=rank_main, args=(r, 2, os.path.join(d, "store"), sizes, a.iters, q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        rows, calls = q.get(timeout=600)
-        for p in procs:
-            p.join(60)
+    results, errors = launch_ranks(2, run_rank, {"sizes": sizes, "iters": a.iters}, 600,
+                                   "aten_reduce A/B")
+    for e in errors:
+        print(f"aten_reduce_ab: {e}", file=sys.stderr)
+    if errors or 0 not in results:
+        return 1
+    rows, calls = results[0]["rows"], results[0]["calls"]
     print(f"{'bytes':>10} {'kernels ms':>11} {'aten ms':>9} {'aten/kernels':>13} {'#wrong':>7}")
     bad = 0
     for nbytes, k, at, wrong in rows:
