@@ -76,7 +76,7 @@ stage_cuda() {
   echo "   CUDA suite (its GPU tests skip on a machine without one), the package and p2p tests"
   scripts/setup.sh cuda
   .venv-cuda/bin/pip install -q --disable-pip-version-check --no-build-isolation \
-    -C build-dir='build-py-cuda/{wheel_tag}' .
+    -C build-dir='build-py-cuda/{wheel_tag}' -C cmake.define.COMMUX_WERROR=ON .
   (cd /tmp && "$OLDPWD/.venv-cuda/bin/python" -m commux.info)
   run_pytest .venv-cuda/bin/python python/tests/test_cuda.py python/tests/test_package.py \
     python/tests/test_transports.py python/tests/test_p2p.py
@@ -89,7 +89,7 @@ stage_torch() {
     scripts/setup.sh torch "$v"
     venv=.venv-torch$v
     "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation \
-      -C build-dir="build-py-torch$v/{wheel_tag}" .
+      -C build-dir="build-py-torch$v/{wheel_tag}" -C cmake.define.COMMUX_WERROR=ON .
     (cd /tmp && "$OLDPWD/$venv/bin/python" -c \
       "import commux, torch; print('torch', torch.__version__, '-> commux', commux.__version__, 'built for', commux._BUILT_WITH_TORCH)")
   done
