@@ -2,6 +2,9 @@
 # scripts/test.sh [STAGE...]: every test, from a fresh machine (no argument), or the named stages.
 # Installs what is missing, then runs, in this order:
 #
+#   lint         ruff check (pyproject.toml), clang-format over the C/C++ files (scripts/format.sh
+#                --check lists the files that differ), the layering rules (scripts/check_layers.py
+#                and its self-test), shellcheck on the shell scripts
 #   cpp          the C++ suites, UCX from the libucx-cu13 wheel (UCX 1.22)
 #   cpp-system   the C++ suites, UCX from the system (Debian libucx-dev, UCX 1.13)
 #   asan         the C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer
@@ -19,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
-ALL_STAGES=(cpp cpp-system asan bench python cuda torch)
+ALL_STAGES=(lint cpp cpp-system asan bench python cuda torch)
 # The torch releases the package claims besides the two above (2.13 CPU in .venv, 2.14 CUDA in
 # .venv-cuda); README "Supported torch" and pyproject.toml state the same range.
 OLDER_TORCH=(2.11 2.12)
@@ -35,6 +38,21 @@ run_pytest() {  # python [pytest args]: a run that collects no test fails (pytes
   local py=$1
   shift
   "$py" -m pytest -q "$@"
+}
+
+stage_lint() {
+  echo "== lint: ruff check, clang-format, layering, shellcheck"
+  local failed=() shells
+  .venv-tools/bin/ruff check --no-cache || failed+=(ruff)
+  scripts/format.sh --check || failed+=(clang-format)
+  .venv-tools/bin/python scripts/check_layers.py || failed+=(layering)
+  run_pytest .venv/bin/python -p no:cacheprovider python/tests/test_layers.py || failed+=(layering-self-test)
+  mapfile -t shells < <(git ls-files '*.sh' .ci/run 2>/dev/null || find scripts tests -name '*.sh')
+  .venv-tools/bin/shellcheck --severity=warning "${shells[@]}" || failed+=(shellcheck)
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "lint: failed: ${failed[*]}" >&2
+    return 1
+  fi
 }
 
 stage_cpp() {
