@@ -187,7 +187,8 @@ TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
         threads.emplace_back(std::move(busy));
       }
     }
-    while (started.load() < 2 * kBusy + 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (started.load() < 2 * kBusy + 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     // Let the busy threads run a while (some traffic must have completed), then shut down.
     const auto until = Clock::now() + std::chrono::seconds(10);
     while (messages.load() < 20 * kBusy && Clock::now() < until) {
