@@ -86,7 +86,8 @@ if [ $mode = cpu ]; then budget=${GPU_CHECK_BUDGET_S:-1800}; else budget=${GPU_C
 NPROC=$(nproc 2>/dev/null || echo 4)
 export PY REPO OUT WORK SITE mode NPROC
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$(dirname "$PY"):$PATH"   # the cmake / ninja / pytest of that Python's environment
+PATH="$(dirname "$PY"):$PATH"   # the cmake / ninja / pytest of that Python's environment
+export PATH
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$NPROC}
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1       # no __pycache__ in the checkout

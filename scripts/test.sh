@@ -2,9 +2,14 @@
 # scripts/test.sh [STAGE...]: every test, from a fresh machine (no argument), or the named stages.
 # Installs what is missing, then runs, in this order:
 #
+#   lint         ruff check (pyproject.toml), clang-format over the C/C++ files (scripts/format.sh
+#                --check lists the files that differ), the layering rules (scripts/check_layers.py
+#                and its self-test), shellcheck on the shell scripts
 #   cpp          the C++ suites, UCX from the libucx-cu13 wheel (UCX 1.22)
 #   cpp-system   the C++ suites, UCX from the system (Debian libucx-dev, UCX 1.13)
 #   asan         the C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer
+#   tsan         the threaded C++ tests under ThreadSanitizer (threads-as-ranks collectives,
+#                multithreaded point-to-point, shutdown racing waiters); any report fails
 #   bench        a smoke run of the C++ benchmark (correctness only; timings not judged)
 #   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests
 #   cuda         the package against a CUDA build of torch 2.14 (.venv-cuda): it builds, imports and
@@ -19,11 +24,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
-ALL_STAGES=(cpp cpp-system asan bench python cuda torch)
+ALL_STAGES=(lint cpp cpp-system asan tsan bench python cuda torch)
 # The torch releases the package claims besides the two above (2.13 CPU in .venv, 2.14 CUDA in
 # .venv-cuda); README "Supported torch" and pyproject.toml state the same range.
 OLDER_TORCH=(2.11 2.12)
 SUITE_TORCH=2.11   # the release the subset of the Python suite runs on as well
+# The tsan stage's tests: ranks as threads (collectives), threads posting at once (p2p), shutdown
+# racing waiters (test_threads).
+TSAN_TESTS='^(Threads\.|P2P\.ManyThreadsPostAndWait$|collectives\.WorldSizes/Threads\.EveryCollective/[2-58]$|collectives\.WorldSizes/Forced\.EveryAlgorithmOfEveryCollective/[34]$|collectives\.Collectives\.ConcurrentCollectivesWithDistinctTags$)'
 
 run_ctest() {  # build dir [extra ctest args]
   local dir=$1
@@ -35,6 +43,21 @@ run_pytest() {  # python [pytest args]: a run that collects no test fails (pytes
   local py=$1
   shift
   "$py" -m pytest -q "$@"
+}
+
+stage_lint() {
+  echo "== lint: ruff check, clang-format, layering, shellcheck"
+  local failed=() shells
+  .venv-tools/bin/ruff check --no-cache || failed+=(ruff)
+  scripts/format.sh --check || failed+=(clang-format)
+  .venv-tools/bin/python scripts/check_layers.py || failed+=(layering)
+  run_pytest .venv/bin/python -p no:cacheprovider python/tests/test_layers.py || failed+=(layering-self-test)
+  mapfile -t shells < <(git ls-files '*.sh' .ci/run 2>/dev/null || find scripts tests -name '*.sh')
+  .venv-tools/bin/shellcheck --severity=warning "${shells[@]}" || failed+=(shellcheck)
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "lint: failed: ${failed[*]}" >&2
+    return 1
+  fi
 }
 
 stage_cpp() {
@@ -59,6 +82,22 @@ stage_asan() {
     run_ctest build-asan -E install)
 }
 
+stage_tsan() {
+  echo "== the threaded C++ tests under ThreadSanitizer"
+  # Only the targets these tests live in, and only the threaded tests: TSan runs 5-15x slower.
+  .venv/bin/cmake -S . -B build-tsan -G Ninja -DCMAKE_MAKE_PROGRAM="$PWD/.venv/bin/ninja" \
+    -DCOMMUX_BUILD_TESTS=ON -DCOMMUX_PYTHON="$PWD/.venv/bin/python" -DCOMMUX_SANITIZE=thread \
+    -DCOMMUX_BUILD_BENCH=OFF -DCOMMUX_BUILD_EXAMPLES=OFF >/dev/null
+  .venv/bin/cmake --build build-tsan --target test_threads test_p2p test_collectives
+  # UCX and libstdc++ are not instrumented: tests/tsan.supp says what is suppressed, and why.
+  # Nothing in commux's own code is suppressed; a report exits 66 and fails the test.
+  # UCX_MEM_EVENTS=no: UCX's memory hooks (UCM's mmap/brk patching) crash under TSan's own mmap
+  # interception (SIGSEGV in the first test); commux does not need them on host memory.
+  (export UCX_MEM_EVENTS=no \
+      TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" &&
+    run_ctest build-tsan -R "$TSAN_TESTS")
+}
+
 stage_bench() {
   echo "== benchmark smoke run (correctness checked; timings not judged)"
   [ -x build/bench/commux_bench ] || scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
@@ -79,7 +118,7 @@ stage_cuda() {
   echo "   CUDA suite (its GPU tests skip on a machine without one), the package and p2p tests"
   scripts/setup.sh cuda
   .venv-cuda/bin/pip install -q --disable-pip-version-check --no-build-isolation \
-    -C build-dir='build-py-cuda/{wheel_tag}' .
+    -C build-dir='build-py-cuda/{wheel_tag}' -C cmake.define.COMMUX_WERROR=ON .
   (cd /tmp && "$OLDPWD/.venv-cuda/bin/python" -m commux.info)
   run_pytest .venv-cuda/bin/python python/tests/test_cuda.py python/tests/test_package.py \
     python/tests/test_transports.py python/tests/test_p2p.py
@@ -92,7 +131,7 @@ stage_torch() {
     scripts/setup.sh torch "$v"
     venv=.venv-torch$v
     "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation \
-      -C build-dir="build-py-torch$v/{wheel_tag}" .
+      -C build-dir="build-py-torch$v/{wheel_tag}" -C cmake.define.COMMUX_WERROR=ON .
     (cd /tmp && "$OLDPWD/$venv/bin/python" -c \
       "import commux, torch; print('torch', torch.__version__, '-> commux', commux.__version__, 'built for', commux._BUILT_WITH_TORCH)")
   done

@@ -262,15 +262,15 @@ class _Call:
         rows = self._check(peers, reasons, got)
         N = sum(rows)
         sends, send_bytes, recvs, recv_offsets, caps, results = [], [], [], [], [], []
-        for l, (data, rb) in enumerate(self.lanes):
+        for lane, (data, rb) in enumerate(self.lanes):
             need = [r * rb for r in rows]
-            make = outputs[l] if l < len(outputs) else None
+            make = outputs[lane] if lane < len(outputs) else None
             if make is not None:
                 res = make(N)
                 flat = res.reshape(-1).view(torch.uint8) if res.numel() else \
                     torch.empty(0, dtype=torch.uint8, device=self.device)
             else:
-                flat = res = buf._slots(l, N * rb, self.device)
+                flat = res = buf._slots(lane, N * rb, self.device)
             sends.append(data)
             send_bytes.append([c * rb for c in self.counts])
             recvs.append(flat)

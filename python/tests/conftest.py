@@ -239,7 +239,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     terminalreporter.write_line(
         f"commux tests: backend {BACKEND!r}; {_pools.started} rank pools started; "
-        f"{len(_pools.hangs)} pooled calls hung or lost a rank" + (f": {'; '.join(_pools.hangs)}" if _pools.hangs else ""))
+        f"{len(_pools.hangs)} pooled calls hung or lost a rank"
+        + (f": {'; '.join(_pools.hangs)}" if _pools.hangs else ""))
     if _pools.close_problems:
         terminalreporter.section("rank pools that did not close cleanly (destroy_process_group / exit)", red=True)
         for p in _pools.close_problems:

@@ -438,7 +438,8 @@ class Ranks:
                 what.append("; ".join(f"rank {c.rank} died ({describe_exit(c.proc.returncode)})" for c in unexpected))
             text = self._report(fn, outs, ", ".join(what))
             text += "\n" + "\n".join(
-                f"--- rank {r} log (stack dumps on hang) ---\n{_tail(logs[r])}" for r in sorted(logs) if logs[r].strip())
+                f"--- rank {r} log (stack dumps on hang) ---\n{_tail(logs[r])}"
+                for r in sorted(logs) if logs[r].strip())
             cls = RankDied if unexpected else DistTimeout
             raise cls(text, outs)
         for c in died:

@@ -196,7 +196,8 @@ def _all_gather_into_tensor(ctx, count, dtype, stacked):
     out = fresh(tuple(want.shape), dtype)
     under_test(lambda: dist.all_gather_into_tensor(out, make(ctx.rank, count, dtype, salt="agt")))
     ref = fresh(tuple(want.shape), dtype)
-    ref = try_ref(lambda: (dist.all_gather_into_tensor(ref, make(ctx.rank, count, dtype, salt="agt"), group=ctx.ref), ref)[1])
+    ref = try_ref(lambda: (dist.all_gather_into_tensor(ref, make(ctx.rank, count, dtype, salt="agt"),
+                                                       group=ctx.ref), ref)[1])
     verify(f"all_gather_into_tensor ({dtype}, {count}, {'stacked' if stacked else 'flat'})", out, want, ref)
 
 

@@ -392,7 +392,8 @@ def _without_cuda_transports(ctx):
         assert mentions(e["msg"], "commux allreduce", "cuda", "cannot carry", "libucx-cu13", "UCX_TLS"), e["msg"]
         dist.barrier()  # nothing was posted
         return ("refused", types)
-    works = [dist.isend(t, dst=peer, tag=3), dist.irecv(torch.zeros(1000, device=d), src=(ctx.rank - 1) % ctx.world, tag=3)]
+    works = [dist.isend(t, dst=peer, tag=3),
+             dist.irecv(torch.zeros(1000, device=d), src=(ctx.rank - 1) % ctx.world, tag=3)]
     for w in works:
         w.wait()
     return ("carried", types)

@@ -26,7 +26,7 @@ def test_halo_exchange_matches_single_process_solve(nprocs):
               "--check-every", "7"], timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     for backend in ("ucx", "gloo"):
-        line = [l for l in r.stdout.splitlines() if f"{backend}:" in l and "per iteration" in l]
+        line = [ln for ln in r.stdout.splitlines() if f"{backend}:" in ln and "per iteration" in ln]
         assert line and "check: OK" in line[0], r.stdout
 
 

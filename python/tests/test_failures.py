@@ -46,7 +46,8 @@ def _describe(outs):
 
 
 def assert_all_exited(closed, allowed=(0,), ranks=None):
-    bad = [o for o in closed if (ranks is None or o.rank in ranks) and (o.exc_type == "Hang" or o.exit_code not in allowed)]
+    bad = [o for o in closed if (ranks is None or o.rank in ranks)
+           and (o.exc_type == "Hang" or o.exit_code not in allowed)]
     assert not bad, "ranks did not exit cleanly:\n" + "\n".join(
         f"rank {o.rank}: {mp.describe_exit(o.exit_code)} {o.exc_type} {o.exc_msg}\n{o.tb}" for o in bad)
 
@@ -257,8 +258,10 @@ def _invalid_inputs(ctx):
             torch.zeros(4 * W), torch.ones(4 * W), output_split_sizes=[4 * W], input_split_sizes=[4 * W]),
         "scatter list too long": lambda: dist.scatter(torch.zeros(4), scatter_list=[torch.ones(4)] * (W + 1), src=0),
         "scatter list too short": lambda: dist.scatter(torch.zeros(4), scatter_list=[torch.ones(4)] * (W - 1), src=0),
-        "gather list of wrong length": lambda: dist.gather(torch.ones(4), gather_list=[torch.zeros(4)] * (W + 1), dst=0),
-        "all_gather list of wrong length": lambda: dist.all_gather([torch.zeros(4) for _ in range(W + 1)], torch.ones(4)),
+        "gather list of wrong length":
+            lambda: dist.gather(torch.ones(4), gather_list=[torch.zeros(4)] * (W + 1), dst=0),
+        "all_gather list of wrong length":
+            lambda: dist.all_gather([torch.zeros(4) for _ in range(W + 1)], torch.ones(4)),
     }
     res = {}
     for name, (who, _) in INVALID.items():

@@ -158,7 +158,8 @@ def _subgroups(ctx):
             continue
         x = torch.full((1001,), base[name] * (me + 1))
         works.append(dist.all_reduce(x, group=g[name], async_op=True))
-        checks.append((f"all_reduce on {name}", x, torch.full((1001,), base[name] * sum(r + 1 for r in ranks_of[name]))))
+        checks.append((f"all_reduce on {name}", x,
+                       torch.full((1001,), base[name] * sum(r + 1 for r in ranks_of[name]))))
         outs = [torch.zeros(7) for _ in ranks_of[name]]
         works.append(dist.all_gather(outs, torch.full((7,), base[name] + me), group=g[name], async_op=True))
         for i, r in enumerate(ranks_of[name]):

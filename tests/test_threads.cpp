@@ -1,0 +1,216 @@
+// Shutdown racing other threads of the same process: Communicator::shutdown() called by one thread
+// while others are blocked in Request::wait or are busy posting and waiting. Every thread must end
+// with an error (Errc::kCanceled), not hang and not crash. These run in the `tsan` stage of
+// scripts/test.sh (ThreadSanitizer) besides the ordinary C++ suites.
+//
+// The world is one rank (a receive from oneself on a tag nobody sends never matches), so the tests
+// need no second process and no network.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commux/communicator.hpp"
+#include "commux/store.hpp"
+#include "harness.hpp"
+
+namespace commux::test {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+// How long a thread may take to notice the shutdown (a generous bound: TSan slows everything).
+constexpr auto kDeadline = std::chrono::seconds(20);
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/commux-threads-XXXXXX";
+    const char* d = ::mkdtemp(tmpl);
+    if (d == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = d;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+// What a thread ended with.
+struct Outcome {
+  bool error = false;
+  Errc code = Errc::kTransport;
+  std::string message;
+  std::chrono::milliseconds after_shutdown{0};
+};
+
+std::unique_ptr<Communicator> one_rank_world(const TempDir& dir) {
+  Options o = default_test_options();
+  o.timeout = std::chrono::seconds(60);  // far beyond the test: only shutdown can end the wait
+  return std::make_unique<Communicator>(std::make_shared<FileStore>(dir.path), 0, 1, o);
+}
+
+// Waits for every future within kDeadline; a thread still running then is a hang, and the
+// process exits at once (it cannot be joined, and a detached thread would outlive the test).
+std::vector<Outcome> collect(std::vector<std::future<Outcome>>& futures,
+                             std::vector<std::thread>& threads) {
+  std::vector<Outcome> out;
+  const auto until = Clock::now() + kDeadline;
+  for (std::size_t i = 0; i < futures.size(); ++i) {
+    if (futures[i].wait_until(until) != std::future_status::ready) {
+      std::fprintf(stderr, "thread %zu still blocked %lld s after shutdown(): a hang\n", i,
+                   static_cast<long long>(kDeadline.count()));
+      std::fflush(stderr);
+      std::_Exit(kHangExit);
+    }
+    out.push_back(futures[i].get());
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// One thread is blocked in Request::wait on a receive that never matches; another thread calls
+// shutdown(). The waiter gets Errc::kCanceled, naming the shutdown, soon after.
+TEST(Threads, ShutdownWakesAThreadBlockedInWait) {
+  TempDir dir;
+  auto comm = one_rank_world(dir);
+  std::atomic<bool> posted{false};
+  std::atomic<Clock::rep> shutdown_at{0};
+  std::vector<std::future<Outcome>> futures;
+  std::vector<std::thread> threads;
+  std::packaged_task<Outcome()> waiter([&] {
+    Outcome o;
+    std::vector<unsigned char> in(64);
+    Request r = comm->irecv(Buffer{in.data(), in.size()}, 0, 7);
+    posted.store(true);
+    try {
+      r.wait();
+    } catch (const Error& e) {
+      o.error = true;
+      o.code = e.code();
+      o.message = e.what();
+    }
+    o.after_shutdown = std::chrono::duration_cast<std::chrono::milliseconds>(
+        Clock::now() - Clock::time_point(Clock::duration(shutdown_at.load())));
+    return o;
+  });
+  futures.push_back(waiter.get_future());
+  threads.emplace_back(std::move(waiter));
+  while (!posted.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Long enough for the waiter to stop spinning and go to sleep on the completion condition.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  shutdown_at.store(Clock::now().time_since_epoch().count());
+  std::thread closer([&] { comm->shutdown(); });
+  const std::vector<Outcome> out = collect(futures, threads);
+  closer.join();
+  ASSERT_TRUE(out[0].error) << "the wait returned normally after shutdown()";
+  EXPECT_EQ(out[0].code, Errc::kCanceled) << out[0].message;
+  EXPECT_NE(out[0].message.find("shut down"), std::string::npos) << out[0].message;
+  EXPECT_LT(out[0].after_shutdown.count(), 10000) << "woken only after a long delay";
+}
+
+// A world of two ranks as threads of this process. On each rank, threads exchange messages with
+// the other rank (64 KiB: a wait spins, completes, and hands progress back to the progress
+// thread); on rank 0 one more thread is blocked on a receive that never matches. Then both
+// communicators are shut down at once, each by its own thread. Every thread ends with an error:
+// Errc::kCanceled (a wait on an operation that shutdown() finished, a post after it), or
+// Errc::kPeerFailed where the other rank went first; the blocked one with kCanceled.
+// Repeated, so that shutdown() lands at different points of the others' loops.
+TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
+  constexpr int kRounds = 4;
+  constexpr int kBusy = 2;  // per rank
+  constexpr std::size_t kBytes = std::size_t{64} << 10;
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    TempDir dir;
+    auto store = std::make_shared<FileStore>(dir.path);
+    std::unique_ptr<Communicator> comms[2];
+    {
+      Options o = default_test_options();
+      o.timeout = std::chrono::seconds(60);
+      std::thread r1([&] { comms[1] = std::make_unique<Communicator>(store, 1, 2, o); });
+      comms[0] = std::make_unique<Communicator>(store, 0, 2, o);
+      r1.join();
+    }
+    std::atomic<int> started{0};
+    std::atomic<long> messages{0};
+    std::vector<std::future<Outcome>> futures;
+    std::vector<std::thread> threads;
+    auto capture = [](Outcome& o, const Error& e) {
+      o.error = true;
+      o.code = e.code();
+      o.message = e.what();
+    };
+    std::packaged_task<Outcome()> blocked([&] {
+      Outcome o;
+      std::vector<unsigned char> in(16);
+      Request r = comms[0]->irecv(Buffer{in.data(), in.size()}, 0, 999999);
+      started.fetch_add(1);
+      try {
+        r.wait();
+      } catch (const Error& e) {
+        capture(o, e);
+      }
+      return o;
+    });
+    futures.push_back(blocked.get_future());
+    threads.emplace_back(std::move(blocked));
+    for (int rank = 0; rank < 2; ++rank) {
+      for (int t = 0; t < kBusy; ++t) {
+        std::packaged_task<Outcome()> busy([&, rank, t] {
+          Outcome o;
+          Communicator& c = *comms[rank];
+          std::vector<unsigned char> out(kBytes, static_cast<unsigned char>(t)), in(kBytes);
+          started.fetch_add(1);
+          try {
+            for (std::int64_t i = 0;; ++i) {
+              const std::int64_t tag = t * 100000 + i % 100000;
+              Request r = c.irecv(Buffer{in.data(), in.size()}, 1 - rank, tag);
+              Request s = c.isend(Buffer{out.data(), out.size()}, 1 - rank, tag);
+              s.wait();
+              r.wait();
+              messages.fetch_add(1);
+            }
+          } catch (const Error& e) {
+            capture(o, e);
+          }
+          return o;
+        });
+        futures.push_back(busy.get_future());
+        threads.emplace_back(std::move(busy));
+      }
+    }
+    while (started.load() < 2 * kBusy + 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // Let the busy threads run a while (some traffic must have completed), then shut down.
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    while (messages.load() < 20 * kBusy && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10 * round));
+    std::thread closer1([&] { comms[1]->shutdown(); });
+    comms[0]->shutdown();
+    closer1.join();
+    const std::vector<Outcome> out = collect(futures, threads);
+    EXPECT_GE(messages.load(), 20 * kBusy) << "too little traffic before shutdown()";
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      ASSERT_TRUE(out[i].error) << "thread " << i << " ended without an error";
+      if (i == 0) {
+        EXPECT_EQ(out[i].code, Errc::kCanceled) << "the blocked thread: " << out[i].message;
+      } else {
+        EXPECT_TRUE(out[i].code == Errc::kCanceled || out[i].code == Errc::kPeerFailed)
+            << "thread " << i << ": " << out[i].message;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace commux::test
