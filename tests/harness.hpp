@@ -29,7 +29,7 @@ inline Options default_test_options() {
 
 struct RunOptions {
   int timeout_s = 60;                // per-child watchdog; the parent allows a few seconds more
-  std::set<int> expect_killed;       // ranks that kill themselves on purpose
+  std::set<int> expect_killed;       // ranks that must die by SIGKILL (any exit is a failure)
   Options comm = default_test_options();  // options for the Communicator each rank builds
   std::function<Options(int rank)> comm_for_rank;  // overrides `comm` when set
 };

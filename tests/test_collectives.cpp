@@ -32,6 +32,7 @@
 
 #include "commux/collectives.hpp"
 #include "harness.hpp"
+#include "world.hpp"
 
 using namespace commux;
 using namespace commux::test;
@@ -139,21 +140,12 @@ void run_world(int n, const std::function<void(Rank&)>& body, MemoryType mem = M
   }();
   auto store = std::make_shared<FileStore>(dir);
   Snapshots snaps(n);
-  std::vector<std::string> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        Communicator comm(store, r, n, default_test_options());
-        CountingDeviceOps ops;
-        Rank rank{comm, snaps, mem, 1, {}, {}, device_ops ? &ops : nullptr};
-        body(rank);
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = run_threads(n, [&](int r) {
+    Communicator comm(store, r, n, default_test_options());
+    CountingDeviceOps ops;
+    Rank rank{comm, snaps, mem, 1, {}, {}, device_ops ? &ops : nullptr};
+    body(rank);
+  });
   for (int r = 0; r < n; ++r) {
     EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r << " of " << n;
   }

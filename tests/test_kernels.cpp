@@ -9,6 +9,7 @@
 #include <complex>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <random>
@@ -503,14 +504,48 @@ TEST(Kernels, Complex) {
   EXPECT_EQ(z, std::complex<float>(-1, 0));
 }
 
+// Runs fn(dst, a, b) on three guard-filled buffers of 64 bytes each and returns "" or which
+// buffer fn changed, at which byte.
+std::string guards_changed_by(const std::function<void(void*, void*, void*)>& fn) {
+  constexpr std::size_t kBytes = 64;
+  std::vector<unsigned char> buf[3];
+  for (int k = 0; k < 3; ++k) buf[k].assign(kBytes, static_cast<unsigned char>(0xA5 + k));
+  const auto before = buf[0], before_a = buf[1], before_b = buf[2];
+  fn(buf[0].data(), buf[1].data(), buf[2].data());
+  const char* names[3] = {"dst", "a", "b"};
+  const std::vector<unsigned char>* was[3] = {&before, &before_a, &before_b};
+  for (int k = 0; k < 3; ++k) {
+    for (std::size_t i = 0; i < kBytes; ++i) {
+      if (buf[k][i] != (*was[k])[i]) return std::string(names[k]) + " byte " + std::to_string(i) + " written";
+    }
+  }
+  return "";
+}
+
+// A zero-count reduction writes nothing: not the output, not the inputs (both overloads,
+// including the aliased forms).
 TEST(Kernels, ZeroCountTouchesNothing) {
   for (DataType t : kAllTypes) {
     for (ReduceOp op : kAllOps) {
       if (!defined(t, op)) continue;
-      reduce_into(nullptr, nullptr, 0, t, op);
-      reduce_into(nullptr, nullptr, nullptr, 0, t, op);
+      const std::string what = std::string(dtype_name(t)) + " " + reduce_op_name(op);
+      EXPECT_EQ(guards_changed_by([&](void* d, void* a, void*) { reduce_into(d, a, 0, t, op); }), "") << what;
+      EXPECT_EQ(guards_changed_by([&](void* d, void* a, void* b) { reduce_into(d, a, b, 0, t, op); }), "") << what;
+      EXPECT_EQ(guards_changed_by([&](void* d, void*, void* b) { reduce_into(d, d, b, 0, t, op); }), "") << what;
+      if (is_floating(t) || is_complex(t)) {
+        EXPECT_EQ(guards_changed_by([&](void* d, void*, void*) { scale(d, 0, t, 3.0); }), "")
+            << what << " scale";
+      }
     }
   }
+}
+
+// The guard check above can fail: a one-element reduction does write the output.
+TEST(Kernels, GuardCheckSeesAWrite) {
+  EXPECT_EQ(guards_changed_by([](void* d, void* a, void*) {
+              reduce_into(d, a, 1, DataType::kInt32, ReduceOp::kSum);
+            }),
+            "dst byte 0 written");
 }
 
 TEST(Kernels, Scale) {

@@ -3,14 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "checks.hpp"
+#include "world.hpp"
 
 using namespace commux;
 using namespace commux::test;
@@ -68,30 +67,20 @@ TEST(P2P, ManyThreadsPostAndWait) {
   run_ranks(2, [](Communicator& c) {
     const int peer = 1 - c.rank();
     const int kThreads = 4, kMsgs = 100;
-    std::atomic<int> failures{0};
-    std::vector<std::thread> threads;
-    for (int t = 0; t < kThreads; ++t) {
-      threads.emplace_back([&, t] {
-        try {
-          for (int i = 0; i < kMsgs; ++i) {
-            const int tag = t * 1000 + i;
-            const std::size_t n = static_cast<std::size_t>((i * 977) % 20000);
-            auto out = filled(static_cast<std::uint64_t>(c.rank() * 100000 + tag), n);
-            std::vector<unsigned char> in(n);
-            Request r = c.irecv(buf(in), peer, tag);
-            Request s = c.isend(buf(out), peer, tag);
-            s.wait();
-            r.wait();
-            check_filled(in, static_cast<std::uint64_t>(peer * 100000 + tag), n);
-          }
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "thread %d: %s\n", t, e.what());
-          failures.fetch_add(1);
-        }
-      });
-    }
-    for (auto& th : threads) th.join();
-    CX_CHECK_EQ(failures.load(), 0);
+    const auto errors = run_threads(kThreads, [&](int t) {
+      for (int i = 0; i < kMsgs; ++i) {
+        const int tag = t * 1000 + i;
+        const std::size_t n = static_cast<std::size_t>((i * 977) % 20000);
+        auto out = filled(static_cast<std::uint64_t>(c.rank() * 100000 + tag), n);
+        std::vector<unsigned char> in(n);
+        Request r = c.irecv(buf(in), peer, tag);
+        Request s = c.isend(buf(out), peer, tag);
+        s.wait();
+        r.wait();
+        check_filled(in, static_cast<std::uint64_t>(peer * 100000 + tag), n);
+      }
+    });
+    for (int t = 0; t < kThreads; ++t) CX_CHECK_EQ(errors[static_cast<std::size_t>(t)], "");
   });
 }
 

@@ -1,0 +1,524 @@
+// The real collectives (include/commux/collectives.hpp, every algorithm of src/collectives/algo
+// forced through Context::algorithm) over in-process loopback worlds (tests/loopback_channel.hpp),
+// without UCX.
+//
+// Simulator: rendezvous worlds (a send completes only once its receive is posted: nothing is
+// buffered, the worst case for deadlock) of 1..64 ranks as threads. For every algorithm of every
+// collective: no deadlock (the world reports one instead of hanging), results equal a serial
+// reference, and nothing is left unmatched at the end. Rooted collectives run for every root up to
+// kEveryRootUpTo ranks (all 64: the whole sweep takes about 15 s on 2 cores; lower it to cover
+// roots 0, 1, n/2 and n-1 only above it, should the sweep grow). Counts are small and uneven (1 element, n + 3,
+// 2n + 3, zero-sized blocks in the v-collectives), so blocks differ in size and some are empty.
+//
+// Loopback: the channel's own semantics (matching order, any-source, truncation, multi-buffer,
+// cancel, deadlock report, traces), a deliberately broken collective that the simulator catches,
+// and every collective over eager worlds with each ReduceOp on several dtypes and a size mismatch
+// that fails every rank.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <complex>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "commux/collectives.hpp"
+#include "harness.hpp"
+#include "loopback_channel.hpp"
+
+using namespace commux;
+using namespace commux::test;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int kMaxWorld = 64;
+constexpr int kEveryRootUpTo = 64;
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+
+// One rank's calls: distinct tags, a deadline, the forced algorithm and a label for messages.
+struct Caller {
+  Communicator& comm;
+  const char* algorithm = nullptr;
+  std::uint32_t next_tag = 1;
+  std::string label;
+  int r() const { return comm.rank(); }
+  int n() const { return comm.size(); }
+  coll::Context ctx(const std::string& what) {
+    label = what + (algorithm != nullptr ? std::string("[") + algorithm + "]" : std::string());
+    coll::Context c;
+    c.comm = &comm;
+    c.tag = next_tag++;
+    c.deadline = Clock::now() + std::chrono::seconds(60);
+    c.op_name = label.c_str();
+    c.algorithm = algorithm;
+    return c;
+  }
+};
+
+// Integer-valued contribution of rank r to element i (-5 .. 5): sums are exact in every type.
+int val(int r, std::size_t i) { return static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 11) - 5; }
+unsigned char byte_of(int from, int to, std::size_t i) {
+  return pattern(static_cast<std::uint64_t>(from) * 1000 + static_cast<std::uint64_t>(to + 1), i);
+}
+
+template <class T>
+void expect_equal(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  if (got.size() != want.size()) fail(what + ": " + std::to_string(got.size()) + " elements, expected " + std::to_string(want.size()));
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!(got[i] == want[i])) fail(what + ": element " + std::to_string(i) + " differs from the serial reference");
+  }
+}
+
+// The serial reference of a reduction: contributions of ranks 0 .. n-1 folded left in rank order.
+template <class T>
+std::vector<T> reference(int n, std::size_t first, std::size_t count, DataType t, ReduceOp op,
+                         const std::function<T(int, std::size_t)>& contrib) {
+  std::vector<T> acc(count), next(count);
+  for (std::size_t i = 0; i < count; ++i) acc[i] = contrib(0, first + i);
+  for (int r = 1; r < n; ++r) {
+    for (std::size_t i = 0; i < count; ++i) next[i] = contrib(r, first + i);
+    reduce_into(acc.data(), next.data(), count, t, op);
+  }
+  return acc;
+}
+
+std::vector<int> roots_of(int n) {
+  std::vector<int> v;
+  if (n <= kEveryRootUpTo) {
+    for (int root = 0; root < n; ++root) v.push_back(root);
+  } else {
+    v = {0, 1, n / 2, n - 1};
+  }
+  return v;
+}
+
+// ---- the checks, one per collective (int32 sums where a reduction is involved) -----------------
+
+template <class T>
+void check_allreduce(Caller& k, std::size_t count, DataType t, ReduceOp op,
+                     const std::function<T(int, std::size_t)>& contrib) {
+  std::vector<T> buf(count);
+  for (std::size_t i = 0; i < count; ++i) buf[i] = contrib(k.r(), i);
+  coll::allreduce(k.ctx("allreduce"), buf.data(), count, t, op);
+  expect_equal(buf, reference<T>(k.n(), 0, count, t, op, contrib),
+               k.label + " " + dtype_name(t) + " " + reduce_op_name(op) + " count " + std::to_string(count));
+}
+
+std::function<std::int32_t(int, std::size_t)> int_contrib() {
+  return [](int r, std::size_t i) { return static_cast<std::int32_t>(val(r, i)); };
+}
+
+void check_reduce(Caller& k, std::size_t count, int root) {
+  std::vector<std::int32_t> buf(count);
+  for (std::size_t i = 0; i < count; ++i) buf[i] = val(k.r(), i);
+  coll::reduce(k.ctx("reduce"), buf.data(), count, DataType::kInt32, ReduceOp::kSum, root);
+  if (k.r() == root) {
+    expect_equal(buf, reference<std::int32_t>(k.n(), 0, count, DataType::kInt32, ReduceOp::kSum, int_contrib()),
+                 k.label + " root " + std::to_string(root));
+  }
+}
+
+void check_broadcast(Caller& k, std::size_t bytes, int root) {
+  std::vector<unsigned char> buf(bytes, 0xEE), want(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) want[i] = byte_of(root, -1, i);
+  if (k.r() == root) buf = want;
+  coll::broadcast(k.ctx("broadcast"), buf.data(), bytes, root);
+  expect_equal(buf, want, k.label + " root " + std::to_string(root));
+}
+
+void check_allgatherv(Caller& k, const std::vector<std::size_t>& counts) {
+  const int n = k.n();
+  std::vector<std::size_t> displs(counts.size());
+  // Blocks placed in reverse rank order, so displacements are not the prefix sums.
+  std::size_t at = 0;
+  for (int p = n - 1; p >= 0; --p) {
+    displs[static_cast<std::size_t>(p)] = at;
+    at += counts[static_cast<std::size_t>(p)];
+  }
+  std::vector<unsigned char> in(counts[static_cast<std::size_t>(k.r())]), out(at, 0xEE), want(at);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = byte_of(k.r(), -1, i);
+  for (int p = 0; p < n; ++p) {
+    for (std::size_t i = 0; i < counts[static_cast<std::size_t>(p)]; ++i) want[displs[static_cast<std::size_t>(p)] + i] = byte_of(p, -1, i);
+  }
+  const bool uniform = std::all_of(counts.begin(), counts.end(), [&](std::size_t c) { return c == counts[0]; });
+  if (uniform) {
+    // A plain allgather (rank order).
+    std::vector<unsigned char> o(counts[0] * static_cast<std::size_t>(n), 0xEE), w(o.size());
+    for (int p = 0; p < n; ++p) {
+      for (std::size_t i = 0; i < counts[0]; ++i) w[static_cast<std::size_t>(p) * counts[0] + i] = byte_of(p, -1, i);
+    }
+    coll::allgather(k.ctx("allgather"), in.data(), counts[0], o.data());
+    expect_equal(o, w, k.label + " bytes " + std::to_string(counts[0]));
+  } else {
+    coll::allgatherv(k.ctx("allgatherv"), in.data(), out.data(), counts.data(), displs.data());
+    expect_equal(out, want, k.label);
+  }
+}
+
+void check_gather_scatter(Caller& k, std::size_t bytes, int root) {
+  const int n = k.n();
+  std::vector<unsigned char> in(bytes), all(bytes * static_cast<std::size_t>(n), 0xEE), want(all.size());
+  for (std::size_t i = 0; i < bytes; ++i) in[i] = byte_of(k.r(), root, i);
+  for (int p = 0; p < n; ++p) {
+    for (std::size_t i = 0; i < bytes; ++i) want[static_cast<std::size_t>(p) * bytes + i] = byte_of(p, root, i);
+  }
+  coll::gather(k.ctx("gather"), in.data(), bytes, all.data(), root);
+  if (k.r() == root) expect_equal(all, want, k.label + " root " + std::to_string(root));
+  // Scatter back what the root gathered: every rank gets its own block again.
+  std::vector<unsigned char> out(bytes, 0xEE);
+  coll::scatter(k.ctx("scatter"), k.r() == root ? want.data() : nullptr, out.data(), bytes, root);
+  expect_equal(out, in, k.label + " root " + std::to_string(root));
+}
+
+void check_reduce_scatter(Caller& k, const std::vector<std::size_t>& counts) {
+  const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+  std::size_t first = 0;
+  for (int p = 0; p < k.r(); ++p) first += counts[static_cast<std::size_t>(p)];
+  std::vector<std::int32_t> in(total), out(counts[static_cast<std::size_t>(k.r())], -99);
+  for (std::size_t i = 0; i < total; ++i) in[i] = val(k.r(), i);
+  coll::reduce_scatter(k.ctx("reduce_scatter"), in.data(), out.data(), counts.data(), DataType::kInt32,
+                       ReduceOp::kSum);
+  expect_equal(out, reference<std::int32_t>(k.n(), first, out.size(), DataType::kInt32, ReduceOp::kSum, int_contrib()),
+               k.label);
+}
+
+// Rank s sends (s + 2d + salt) % 3 bytes to rank d (zeros included).
+std::size_t a2a_bytes(int s, int d, int salt) { return static_cast<std::size_t>((s + 2 * d + salt) % 3); }
+
+void check_alltoallv(Caller& k, int salt) {
+  const int n = k.n();
+  const auto un = static_cast<std::size_t>(n);
+  std::vector<std::size_t> sc(un), sd(un), rc(un), rd(un);
+  std::size_t st = 0, rt = 0;
+  for (int p = 0; p < n; ++p) {
+    const auto up = static_cast<std::size_t>(p);
+    sc[up] = a2a_bytes(k.r(), p, salt);
+    rc[up] = a2a_bytes(p, k.r(), salt);
+    sd[up] = st;
+    rd[up] = rt;
+    st += sc[up];
+    rt += rc[up];
+  }
+  std::vector<unsigned char> in(st), out(rt, 0xEE), want(rt);
+  for (int p = 0; p < n; ++p) {
+    const auto up = static_cast<std::size_t>(p);
+    for (std::size_t i = 0; i < sc[up]; ++i) in[sd[up] + i] = byte_of(k.r(), p, i);
+    for (std::size_t i = 0; i < rc[up]; ++i) want[rd[up] + i] = byte_of(p, k.r(), i);
+  }
+  coll::alltoallv(k.ctx("alltoallv"), in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data());
+  expect_equal(out, want, k.label + " salt " + std::to_string(salt));
+}
+
+// Every algorithm of every collective, on this rank.
+void every_algorithm(Communicator& comm) {
+  Caller k{comm, nullptr, 1, {}};
+  const int n = k.n();
+  const auto un = static_cast<std::size_t>(n);
+  auto each = [&](const char* op, const std::function<void()>& body) {
+    for (const std::string& name : coll::algorithms(op)) {
+      k.algorithm = name.c_str();
+      body();
+    }
+    k.algorithm = nullptr;
+  };
+  each("barrier", [&] { coll::barrier(k.ctx("barrier")); });
+  each("allreduce", [&] {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, 2 * un + 3}) {
+      check_allreduce<std::int32_t>(k, count, DataType::kInt32, ReduceOp::kSum, int_contrib());
+    }
+  });
+  each("reduce", [&] {
+    for (int root : roots_of(n)) check_reduce(k, un + 3, root);
+  });
+  each("broadcast", [&] {
+    for (int root : roots_of(n)) check_broadcast(k, un + 3, root);
+    check_broadcast(k, 0, n - 1);
+  });
+  each("allgather", [&] {
+    check_allgatherv(k, std::vector<std::size_t>(un, 3));
+    std::vector<std::size_t> counts(un);
+    for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 3) % 4);
+    check_allgatherv(k, counts);
+  });
+  each("gather", [&] {
+    for (int root : roots_of(n)) check_gather_scatter(k, 5, root);
+  });
+  each("scatter", [&] {
+    for (int root : roots_of(n)) check_gather_scatter(k, 5, root);
+  });
+  each("reduce_scatter", [&] {
+    check_reduce_scatter(k, std::vector<std::size_t>(un, 2));
+    std::vector<std::size_t> counts(un);
+    for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 5 + 1) % 4);
+    check_reduce_scatter(k, counts);
+  });
+  each("alltoall", [&] {
+    check_alltoallv(k, 0);
+    check_alltoallv(k, 1);
+  });
+}
+
+// Fails the test with every rank's failure, a deadlock report or anything left unmatched.
+void expect_clean(LoopbackWorld& w, const std::vector<std::string>& errors) {
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r << " of " << errors.size();
+  }
+  EXPECT_EQ(w.deadlocks(), 0);
+  EXPECT_EQ(w.unmatched(), "");
+}
+
+class Simulator : public ::testing::TestWithParam<int> {};
+
+TEST_P(Simulator, EveryAlgorithmCompletesCorrectlyWithNothingUnmatched) {
+  const int n = GetParam();
+  LoopbackWorld w(n, LoopMode::kRendezvous);
+  expect_clean(w, w.run(every_algorithm));
+}
+
+std::vector<int> sizes_1_to_64() {
+  std::vector<int> v(kMaxWorld);
+  std::iota(v.begin(), v.end(), 1);
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Simulator, ::testing::ValuesIn(sizes_1_to_64()));
+
+// ---- the loopback channel itself ---------------------------------------------------------------
+
+detail::Channel& chan(Communicator& c) { return detail::channel(c); }
+
+Request post_send(Communicator& c, const void* data, std::size_t bytes, int peer, std::uint32_t tag) {
+  const Buffer b{const_cast<void*>(data), bytes, MemoryType::kHost};
+  return chan(c).post_send(&b, 1, peer, TagKind::kInternal, tag);
+}
+Request post_recv(Communicator& c, void* data, std::size_t bytes, int peer, std::uint32_t tag) {
+  const Buffer b{data, bytes, MemoryType::kHost};
+  return chan(c).post_recv(&b, 1, peer, TagKind::kInternal, tag);
+}
+
+// A deliberately broken two-rank exchange: each rank sends (and waits for its send) before it
+// receives. Over UCX this passes for small messages (eager sends complete at once) and hangs for
+// large ones; an eager world passes it too, a rendezvous world deadlocks at any size and says so
+// on every rank.
+void send_before_recv(Communicator& c) {
+  std::int32_t out = c.rank(), in = -1;
+  const int peer = 1 - c.rank();
+  post_send(c, &out, sizeof out, peer, 7).wait();
+  post_recv(c, &in, sizeof in, peer, 7).wait();
+  CX_CHECK_EQ(in, peer);
+}
+
+TEST(Loopback, BrokenExchangeIsReportedAsDeadlockOnEveryRank) {
+  LoopbackWorld w(2, LoopMode::kRendezvous);
+  const auto errors = w.run(send_before_recv);
+  EXPECT_EQ(w.deadlocks(), 1);
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("deadlock"), std::string::npos) << e;
+    EXPECT_NE(e.find("rank 0 waits for send to peer 1, tag 7 (internal), 4 bytes"), std::string::npos) << e;
+    EXPECT_NE(e.find("rank 1 waits for send to peer 0, tag 7 (internal), 4 bytes"), std::string::npos) << e;
+  }
+  // The sends were left posted (the broken code does not cancel them): shutdown had to.
+  EXPECT_NE(w.unmatched().find("cancelled at shutdown: send to peer 1, tag 7"), std::string::npos) << w.unmatched();
+  // The same code over an eager world completes: only the rendezvous world catches it.
+  LoopbackWorld eager(2, LoopMode::kEager);
+  expect_clean(eager, eager.run(send_before_recv));
+}
+
+// The deadlock report reaches the real collectives: a rank that never joins a barrier while the
+// others wait is not a deadlock until it leaves; then the others fail naming the barrier.
+TEST(Loopback, CollectiveWaitingForARankThatLeftFailsAsDeadlock) {
+  LoopbackWorld w(3, LoopMode::kRendezvous);
+  const auto errors = w.run([](Communicator& c) {
+    if (c.rank() == 2) return;  // never joins
+    coll::Context ctx;
+    ctx.comm = &c;
+    ctx.tag = 1;
+    ctx.op_name = "barrier";
+    coll::barrier(ctx);
+  });
+  EXPECT_EQ(errors[2], "");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("commux barrier:"), std::string::npos) << errors[static_cast<std::size_t>(r)];
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("deadlock"), std::string::npos) << errors[static_cast<std::size_t>(r)];
+  }
+  EXPECT_GE(w.deadlocks(), 1);
+  // The barrier cancelled what it had posted before it threw: nothing is left posted.
+  EXPECT_EQ(w.unmatched().find("never matched: recv"), std::string::npos) << w.unmatched();
+}
+
+// A send nobody receives is reported as unmatched (an eager send completes, so nobody waits).
+TEST(Loopback, SendNeverReceivedIsUnmatched) {
+  LoopbackWorld w(2, LoopMode::kEager);
+  const auto errors = w.run([](Communicator& c) {
+    const std::int32_t x = 5;
+    if (c.rank() == 0) post_send(c, &x, sizeof x, 1, 3).wait();
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(2, ""));
+  EXPECT_EQ(w.unmatched(), "never matched: send to peer 1, tag 3 (internal), 4 bytes, rank 0 of 2\n");
+}
+
+TEST(Loopback, MatchingOrderAnySourceTruncationAndBuffers) {
+  LoopbackWorld w(3, LoopMode::kRendezvous);
+  const auto errors = w.run([](Communicator& c) {
+    if (c.rank() == 1) {
+      // Two messages on one (sender, tag) match in posting order; another tag is apart.
+      const std::int32_t a = 10, b = 20, other = 30;
+      Request r1 = post_send(c, &a, 4, 0, 1);
+      Request r2 = post_send(c, &b, 4, 0, 1);
+      Request r3 = post_send(c, &other, 4, 0, 2);
+      r1.wait();
+      r2.wait();
+      r3.wait();
+      // Zero bytes, then a gathered message of three buffers, then one too long.
+      post_send(c, nullptr, 0, 0, 4).wait();
+      char p1[] = "ab", p2[] = "cde", p3[] = "f";
+      const Buffer parts[3] = {{p1, 2, MemoryType::kHost}, {p2, 3, MemoryType::kHost}, {p3, 1, MemoryType::kHost}};
+      chan(c).post_send(parts, 3, 0, TagKind::kInternal, 5).wait();
+      const char big[8] = {};
+      post_send(c, big, sizeof big, 0, 6).wait();
+    } else if (c.rank() == 2) {
+      const std::int32_t x = 99;
+      post_send(c, &x, 4, 0, 9).wait();
+    } else {
+      std::int32_t other = 0, first = 0, second = 0, any = 0;
+      Request ro = post_recv(c, &other, 4, 1, 2);
+      Request r1 = post_recv(c, &first, 4, 1, 1);
+      Request r2 = post_recv(c, &second, 4, 1, 1);
+      Request ra = post_recv(c, &any, 4, kAnySource, 9);
+      ro.wait();
+      r1.wait();
+      r2.wait();
+      ra.wait();
+      CX_CHECK_EQ(other, 30);
+      CX_CHECK_EQ(first, 10);
+      CX_CHECK_EQ(second, 20);
+      CX_CHECK_EQ(any, 99);
+      CX_CHECK_EQ(ra.source(), 2);
+      Request z = post_recv(c, nullptr, 0, 1, 4);
+      z.wait();
+      CX_CHECK_EQ(z.bytes(), 0u);
+      char q1[4] = {}, q2[3] = {};
+      const Buffer into[2] = {{q1, 4, MemoryType::kHost}, {q2, 3, MemoryType::kHost}};
+      Request g = chan(c).post_recv(into, 2, 1, TagKind::kInternal, 5);
+      g.wait();
+      CX_CHECK_EQ(g.bytes(), 6u);
+      CX_CHECK_EQ(std::string(q1, 4) + std::string(q2, 2), "abcdef");
+      char small[4];
+      Request t = post_recv(c, small, sizeof small, 1, 6);
+      const std::string msg = expect_error(Errc::kTruncated, [&] { t.wait(); });
+      CX_CHECK_HAS(msg, "message from peer 1 with tag 6 is too long: 8 bytes for a receive of 4 bytes");
+      // User-tag traffic of the public API never matches internal traffic of the same number.
+      std::int32_t u = 0;
+      Request internal = post_recv(c, &u, 4, 2, 9);
+      internal.cancel();
+      CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { internal.wait(); }), "canceled (recv from peer 2, tag 9 (internal)");
+    }
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(3, ""));
+  EXPECT_EQ(w.unmatched(), "");
+  EXPECT_EQ(w.deadlocks(), 0);
+  // The trace of rank 2: one post and one wait of its send.
+  const auto t = w.trace(2);
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_EQ(t[0].what, TraceEvent::Kind::kPost);
+  EXPECT_EQ(t[1].what, TraceEvent::Kind::kWait);
+  EXPECT_EQ(t[0].dir, detail::Direction::kSend);
+  EXPECT_EQ(t[0].peer, 0);
+  EXPECT_EQ(t[0].tag, 9u);
+  EXPECT_EQ(t[0].bytes, 4u);
+}
+
+TEST(Loopback, WaitRespectsItsTimeout) {
+  LoopbackWorld w(2, LoopMode::kRendezvous);
+  const auto errors = w.run([](Communicator& c) {
+    if (c.rank() == 1) return;
+    std::int32_t x = 0;
+    Request r = c.irecv(Buffer{&x, 4, MemoryType::kHost}, 1, 3);
+    // Rank 1 is still live (not yet left) or gone: either way the wait ends, by timeout or deadlock.
+    const std::string msg = expect_error(Errc::kTimeout, [&] { r.wait(std::chrono::milliseconds(50)); });
+    CX_CHECK_HAS(msg, "from peer 1, tag 3");
+    r.cancel();
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(2, ""));
+  EXPECT_EQ(w.unmatched(), "");
+}
+
+// ---- every collective over eager worlds ----------------------------------------------------------
+
+template <class T>
+void allreduce_every_op(Caller& k, DataType t) {
+  const std::vector<ReduceOp> ops = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax,
+                                     ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};
+  const bool integral = !is_floating(t) && !is_complex(t);
+  for (ReduceOp op : ops) {
+    if (!integral && (op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor)) continue;
+    // Small magnitudes, so products of up to 5 ranks stay exact (and in range for int8).
+    auto contrib = [](int r, std::size_t i) { return static_cast<T>((static_cast<int>(i) + 2 * r) % 5 - 2); };
+    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{37}}) {
+      check_allreduce<T>(k, count, t, op, contrib);
+    }
+  }
+}
+
+void every_collective(Communicator& comm) {
+  Caller k{comm, nullptr, 1, {}};
+  const int n = k.n();
+  const auto un = static_cast<std::size_t>(n);
+  coll::barrier(k.ctx("barrier"));
+  allreduce_every_op<std::int32_t>(k, DataType::kInt32);
+  allreduce_every_op<std::int8_t>(k, DataType::kInt8);
+  allreduce_every_op<float>(k, DataType::kFloat32);
+  allreduce_every_op<double>(k, DataType::kFloat64);
+  for (int root = 0; root < n; ++root) {
+    check_broadcast(k, 13, root);
+    check_reduce(k, 11, root);
+    check_gather_scatter(k, 6, root);
+  }
+  check_allgatherv(k, std::vector<std::size_t>(un, 4));
+  std::vector<std::size_t> counts(un);
+  for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 3) % 4);
+  check_allgatherv(k, counts);
+  check_reduce_scatter(k, std::vector<std::size_t>(un, 3));
+  for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 5 + 1) % 4);
+  check_reduce_scatter(k, counts);
+  check_alltoallv(k, 0);
+  check_alltoallv(k, 2);
+  coll::barrier(k.ctx("barrier"));
+}
+
+TEST(Loopback, EveryCollectiveOverEagerWorlds) {
+  for (int n : {1, 2, 3, 5}) {
+    SCOPED_TRACE("world size " + std::to_string(n));
+    LoopbackWorld w(n, LoopMode::kEager);
+    expect_clean(w, w.run(every_collective));
+  }
+}
+
+// Ranks that disagree on the size of a collective fail, every one of them, naming the operation;
+// nothing hangs and nothing is left posted.
+TEST(Loopback, MismatchedSizesFailEveryRank) {
+  for (LoopMode mode : {LoopMode::kEager, LoopMode::kRendezvous}) {
+    LoopbackWorld w(2, mode);
+    const auto errors = w.run([](Communicator& c) {
+      Caller k{c, nullptr, 1, {}};
+      // Rank 0 sends 1 byte to rank 1 and expects 1 back; rank 1 sends and expects 2.
+      const std::size_t mine = c.rank() == 0 ? 1 : 2;
+      std::vector<std::size_t> counts = {mine, mine}, displs = {0, mine};
+      std::vector<unsigned char> in(2 * mine, 1), out(2 * mine, 0);
+      coll::alltoallv(k.ctx("alltoallv"), in.data(), counts.data(), displs.data(), out.data(),
+                      counts.data(), displs.data());
+    });
+    for (std::size_t r = 0; r < errors.size(); ++r) {
+      EXPECT_NE(errors[r].find("commux alltoallv:"), std::string::npos) << "rank " << r << ": " << errors[r];
+    }
+    EXPECT_EQ(w.deadlocks(), 0);
+    EXPECT_EQ(w.unmatched().find("never matched: recv"), std::string::npos) << w.unmatched();
+  }
+}
+
+}  // namespace
