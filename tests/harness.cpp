@@ -6,9 +6,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 #include <vector>
 
@@ -25,13 +27,6 @@ void on_alarm(int) {
   _exit(kHangExit);
 }
 
-std::string make_store_dir() {
-  char tmpl[] = "/tmp/commux-test-XXXXXX";
-  const char* d = ::mkdtemp(tmpl);
-  if (d == nullptr) throw std::runtime_error("mkdtemp failed");
-  return d;
-}
-
 std::string describe_status(int status) {
   if (WIFEXITED(status)) {
     const int code = WEXITSTATUS(status);
@@ -44,9 +39,22 @@ std::string describe_status(int status) {
 
 }  // namespace
 
+TempDir::TempDir(const char* prefix) {
+  std::string tmpl = std::string("/tmp/") + prefix + "-XXXXXX";
+  const char* d = ::mkdtemp(tmpl.data());
+  if (d == nullptr) throw std::runtime_error("mkdtemp " + tmpl + " failed: " + std::strerror(errno));
+  path_ = d;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
 void run_procs(int size, const std::function<void(int, int, const std::string&)>& body,
                RunOptions opts) {
-  const std::string dir = make_store_dir();
+  const TempDir tmp;  // children leave with _exit: only the parent removes it
+  const std::string& dir = tmp.path();
   std::fflush(nullptr);
   std::vector<pid_t> pids;
   for (int r = 0; r < size; ++r) {

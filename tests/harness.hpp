@@ -8,12 +8,14 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 
 #include "commux/communicator.hpp"
+#include "commux/store.hpp"
 
 namespace commux::test {
 
@@ -26,6 +28,21 @@ inline Options default_test_options() {
   o.shutdown_timeout = std::chrono::seconds(2);
   return o;
 }
+
+// The one temporary-store helper of the C++ suites: a fresh directory under /tmp (for a
+// FileStore), removed with everything in it when the TempDir goes.
+class TempDir {
+ public:
+  explicit TempDir(const char* prefix = "commux-test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::shared_ptr<FileStore> store() const { return std::make_shared<FileStore>(path_); }
+
+ private:
+  std::string path_;
+};
 
 struct RunOptions {
   int timeout_s = 60;                // per-child watchdog; the parent allows a few seconds more

@@ -132,13 +132,8 @@ class CountingDeviceOps final : public coll::DeviceOps {
 
 void run_world(int n, const std::function<void(Rank&)>& body, MemoryType mem = MemoryType::kHost,
                bool device_ops = false) {
-  const std::string dir = [] {
-    char tmpl[] = "/tmp/commux-coll-XXXXXX";
-    const char* d = ::mkdtemp(tmpl);
-    if (d == nullptr) throw std::runtime_error("mkdtemp failed");
-    return std::string(d);
-  }();
-  auto store = std::make_shared<FileStore>(dir);
+  const TempDir dir("commux-coll");
+  auto store = dir.store();
   Snapshots snaps(n);
   const std::vector<std::string> errors = run_threads(n, [&](int r) {
     Communicator comm(store, r, n, default_test_options());
@@ -150,8 +145,6 @@ void run_world(int n, const std::function<void(Rank&)>& body, MemoryType mem = M
     EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r << " of " << n;
   }
   snaps.check();
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
 }
 
 // Integer-valued contribution of rank r to element i, in -5..5.

@@ -29,20 +29,6 @@ using Clock = std::chrono::steady_clock;
 // How long a thread may take to notice the shutdown (a generous bound: TSan slows everything).
 constexpr auto kDeadline = std::chrono::seconds(20);
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/commux-threads-XXXXXX";
-    const char* d = ::mkdtemp(tmpl);
-    if (d == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = d;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
 // What a thread ended with.
 struct Outcome {
   bool error = false;
@@ -54,7 +40,7 @@ struct Outcome {
 std::unique_ptr<Communicator> one_rank_world(const TempDir& dir) {
   Options o = default_test_options();
   o.timeout = std::chrono::seconds(60);  // far beyond the test: only shutdown can end the wait
-  return std::make_unique<Communicator>(std::make_shared<FileStore>(dir.path), 0, 1, o);
+  return std::make_unique<Communicator>(dir.store(), 0, 1, o);
 }
 
 // Waits for every future within kDeadline; a thread still running then is a hang, and the
@@ -130,7 +116,7 @@ TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
     TempDir dir;
-    auto store = std::make_shared<FileStore>(dir.path);
+    auto store = dir.store();
     std::unique_ptr<Communicator> comms[2];
     {
       Options o = default_test_options();

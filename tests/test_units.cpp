@@ -10,6 +10,7 @@
 
 #include "commux/communicator.hpp"
 #include "commux/transports.hpp"
+#include "harness.hpp"
 
 using namespace commux;
 using namespace commux::tag_layout;
@@ -124,15 +125,8 @@ void check_get_waits_then_times_out(Store& reader, Store& writer) {
 
 class FileStoreTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/commux-store-XXXXXX";
-    dir_ = ::mkdtemp(tmpl);
-  }
-  void TearDown() override {
-    const std::string cmd = "rm -rf '" + dir_ + "'";
-    EXPECT_EQ(std::system(cmd.c_str()), 0);
-  }
-  std::string dir_;
+  commux::test::TempDir tmp_{"commux-store"};
+  const std::string dir_ = tmp_.path();
 };
 
 TEST_F(FileStoreTest, SetGetCheck) {
