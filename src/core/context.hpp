@@ -2,8 +2,8 @@
 //
 // Ownership: a Context owns its ucp_context_h from create() to destroy(). The Engine destroys it
 // last, after the worker (a worker may not outlive its context); nothing else holds the handle.
-// Threads: create() and destroy() run on the thread that starts or shuts down the Engine; the
-// handle itself needs no lock (UCX only reads it once the worker exists).
+// Threads: only create() and destroy() write the handle, on the thread that starts the Engine
+// and, with the worker mutex held, the one that shuts it down; the worker is the only other user.
 #pragma once
 
 #include <ucp/api/ucp.h>

@@ -94,7 +94,7 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
     throw Error(Errc::kCanceled, std::string("commux ") + name + ": the communicator is shut down");
   }
   // Sends to a peer that is gone fail at once. Receives are still posted: a message it sent before
-  // it went may be waiting; reap_failed_peers_locked() fails them if nothing matches.
+  // it went may be waiting; Peers::reap_locked() fails them if nothing matches.
   if (kind == Op::Kind::kSend && peers_[peer].status != UCS_OK) {
     throw Error(Errc::kPeerFailed,
                 std::string("commux ") + name + ": peer " + std::to_string(peer) + " is gone (" +
