@@ -1,0 +1,332 @@
+// Requests: posting an operation, UCX's completion callbacks, finishing it, describing it in
+// errors. Everything here runs with the worker mutex held unless it takes it itself; the tag
+// layout is in include/commux/tag.hpp, the threading contract in docs/progress.md.
+#include <algorithm>
+#include <mutex>
+
+#include "engine.hpp"
+#include "status.hpp"
+
+namespace commux::detail {
+
+namespace {
+constexpr std::size_t kNoInfo = ~std::size_t{0};
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Posting
+
+void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, std::size_t count,
+                      int peer) const {
+  const bool any_ok = kind == Op::Kind::kRecv;
+  if (peer >= size_ || peer < 0) {
+    if (!(any_ok && peer == kAnySource)) {
+      throw Error(Errc::kInvalidArgument,
+                  std::string("commux ") + name + ": peer " + std::to_string(peer) +
+                      " is outside 0.." + std::to_string(size_ - 1) +
+                      (any_ok ? " (or kAnySource)" : "") + " (world size " +
+                      std::to_string(size_) + ")");
+    }
+  }
+  if (count > 0 && buffers == nullptr) {
+    throw Error(Errc::kInvalidArgument,
+                std::string("commux ") + name + ": null buffer list with count " +
+                    std::to_string(count));
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    if (buffers[i].data == nullptr && buffers[i].size > 0) {
+      throw Error(Errc::kInvalidArgument, std::string("commux ") + name + ": buffer " +
+                                              std::to_string(i) + " is null but has " +
+                                              std::to_string(buffers[i].size) + " bytes");
+    }
+    const MemoryType m = buffers[i].mem;
+    if (m != MemoryType::kHost && m != MemoryType::kUnknown) {
+      const ucs_memory_type_t u = to_ucs(m);
+      if (u == UCS_MEMORY_TYPE_LAST ||
+          std::find(info_.memory_types.begin(), info_.memory_types.end(),
+                    ucs_memory_type_names[u]) == info_.memory_types.end()) {
+        throw Error(Errc::kUnsupported,
+                    std::string("commux ") + name + ": buffer " + std::to_string(i) + " is " +
+                        memory_type_name(m) + " memory, but the UCX in use (" + info_.ucx_version +
+                        ") does not support it; build commux against a UCX with that transport "
+                        "(e.g. COMMUX_UCX_PROVIDER=wheel with libucx-cu13 for CUDA)");
+      }
+    }
+    if (options_.packing == Packing::kIov && count > 1 && m != buffers[0].mem) {
+      throw Error(Errc::kInvalidArgument,
+                  std::string("commux ") + name +
+                      ": COMMUX_COALESCE packs the buffers into one UCX message, so they must "
+                      "share one memory type (buffer 0 is " + memory_type_name(buffers[0].mem) +
+                      ", buffer " + std::to_string(i) + " is " + memory_type_name(m) + ")");
+    }
+  }
+}
+
+std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffer* buffers,
+                                 std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
+                                 bool fast_completion) {
+  validate(kind, name, buffers, count, peer);
+  auto op = std::make_shared<Op>();
+  op->kind = kind;
+  op->name = name;
+  op->peer = peer;
+  op->tag_kind = tag_kind;
+  op->tag = tag;
+  op->buffers.resize(count);
+  std::copy(buffers, buffers + count, op->buffers.begin());
+  for (const Buffer& b : op->buffers) op->capacity += b.size;
+  op->packing = (count > 1 && options_.packing == Packing::kIov) ? Packing::kIov : Packing::kParts;
+  if (op->packing == Packing::kIov) {
+    op->iov.reserve(count);
+    for (const Buffer& b : op->buffers) op->iov.push_back(ucp_dt_iov_t{b.data, b.size});
+  }
+  const std::size_t nparts = op->packing == Packing::kIov ? 1 : std::max<std::size_t>(count, 1);
+  op->parts.resize(nparts);
+  for (std::size_t i = 0; i < nparts; ++i) {
+    op->parts[i].op = op.get();
+    op->parts[i].index = static_cast<std::uint32_t>(i);
+  }
+  op->engine = shared_from_this();
+  op->source = peer;
+
+  std::lock_guard<std::mutex> lock(worker_.mutex());
+  if (worker_.shut_down_locked()) {
+    throw Error(Errc::kCanceled, std::string("commux ") + name + ": the communicator is shut down");
+  }
+  // Sends to a peer that is gone fail at once. Receives are still posted: a message it sent before
+  // it went may be waiting; Peers::reap_locked() fails them if nothing matches.
+  if (kind == Op::Kind::kSend && peers_[peer].status != UCS_OK) {
+    throw Error(Errc::kPeerFailed,
+                std::string("commux ") + name + ": peer " + std::to_string(peer) + " is gone (" +
+                    peers_[peer].reason + "); " + describe(*op));
+  }
+  worker_.register_locked(op);
+  // An any-source receive in parts learns its sender from part 0, then posts the rest.
+  const bool later_rest = kind == Op::Kind::kRecv && peer == kAnySource && nparts > 1;
+  op->remaining = later_rest ? 1 : static_cast<int>(nparts);
+  post_locked(op, 0, fast_completion);
+  return op;
+}
+
+void Engine::post_locked(const std::shared_ptr<Op>& op, std::size_t first_part,
+                         bool fast_completion) {
+  const bool later_rest = op->kind == Op::Kind::kRecv && op->peer == kAnySource && first_part == 0 &&
+                          op->parts.size() > 1;
+  const std::size_t end = later_rest ? 1 : op->parts.size();
+  for (std::size_t i = first_part; i < end; ++i) post_part_locked(*op, i, fast_completion);
+  run_deferred_locked();
+}
+
+// Work that completion callbacks may not do themselves (it would re-enter UCX or the op):
+// posting the rest of an any-source multi-part receive, cancelling the rest of a failed one.
+void Engine::run_deferred_locked() {
+  while (!deferred_.empty() || !to_cancel_.empty()) {
+    auto ready = std::move(deferred_);
+    deferred_.clear();
+    for (auto& d : ready) post_locked(d, 1, false);
+    auto cancel = std::move(to_cancel_);
+    to_cancel_.clear();
+    for (auto& op : cancel) op->cancel_parts_locked(worker_.handle());
+  }
+}
+
+void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
+  Part& part = op.parts[index];
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  prm.user_data = &part;
+  void* buf = nullptr;
+  std::size_t cnt = 0;
+  MemoryType mem = MemoryType::kHost;
+  if (op.packing == Packing::kIov) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    prm.datatype = ucp_dt_make_iov();
+    buf = op.iov.data();
+    cnt = op.iov.size();
+    mem = op.buffers[0].mem;
+  } else if (!op.buffers.empty()) {
+    buf = op.buffers[index].data;
+    cnt = op.buffers[index].size;
+    mem = op.buffers[index].mem;
+  }
+  if (mem != MemoryType::kUnknown) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    prm.memory_type = to_ucs(mem);
+  }
+  const bool continuation = index > 0;
+  ucs_status_ptr_t r;
+  if (op.kind == Op::Kind::kSend) {
+    prm.cb.send = &Engine::send_cb;
+    if (fast_completion) prm.op_attr_mask |= UCP_OP_ATTR_FLAG_FAST_CMPL;
+    TagFields f;
+    f.sender = rank_;
+    f.group = options_.group;
+    f.kind = op.tag_kind;
+    f.continuation = continuation;
+    f.packing = op.packing;
+    f.user = op.tag;
+    r = ucp_tag_send_nbx(peers_[op.peer].ep, buf, cnt, make_tag(f).bits, &prm);
+  } else {
+    prm.cb.recv = &Engine::recv_cb;
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    // Always complete receives through the callback: on immediate completion UCX does not always
+    // fill in recv_info (1.13: zero-byte messages; 1.22: some truncated ones), which would lose
+    // the sender, the length and the packing check.
+    prm.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    prm.recv_info.tag_info = &part.info;
+    part.info.length = kNoInfo;  // tells whether UCX filled it in on an immediate failure
+    const int sender = continuation ? op.source : op.peer;
+    const RecvMatch m = recv_match(sender, options_.group, op.tag_kind, continuation, op.tag);
+    r = ucp_tag_recv_nbx(worker_.handle(), buf, cnt, m.tag.bits, m.mask.bits, &prm);
+  }
+  if (UCS_PTR_IS_ERR(r)) {
+    const bool filled = op.kind == Op::Kind::kRecv && part.info.length != kNoInfo;
+    part_done_locked(op, part.index, UCS_PTR_STATUS(r), filled ? &part.info : nullptr);
+  } else if (r == nullptr) {
+    part_done_locked(op, part.index, UCS_OK, op.kind == Op::Kind::kRecv ? &part.info : nullptr);
+  } else {
+    part.ucx_req = r;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Completion (runs inside ucp_worker_progress or inline after posting; worker mutex held)
+
+void Engine::send_cb(void* request, ucs_status_t status, void* user_data) {
+  auto* part = static_cast<Part*>(user_data);
+  Op* op = part->op;
+  part->ucx_req = nullptr;
+  ucp_request_free(request);
+  op->engine->part_done_locked(*op, part->index, status, nullptr);
+}
+
+void Engine::recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                     void* user_data) {
+  auto* part = static_cast<Part*>(user_data);
+  Op* op = part->op;
+  part->ucx_req = nullptr;
+  const ucp_tag_recv_info_t copy = info != nullptr ? *info : ucp_tag_recv_info_t{};
+  ucp_request_free(request);
+  op->engine->part_done_locked(*op, part->index, status, info != nullptr ? &copy : nullptr);
+}
+
+void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
+                              const ucp_tag_recv_info_t* info) {
+  if (op.kind == Op::Kind::kRecv) {
+    if (info != nullptr && (status == UCS_OK || status == UCS_ERR_MESSAGE_TRUNCATED)) {
+      const TagFields f = parse_tag(TagValue{info->sender_tag});
+      if (index == 0) op.source = f.sender;
+      const std::size_t posted =
+          op.packing == Packing::kIov ? op.capacity
+                                      : (op.buffers.empty() ? 0 : op.buffers[index].size);
+      if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+        op.detail = "the message is " + std::to_string(info->length) +
+                    " bytes but the posted buffer" +
+                    (op.parts.size() > 1 ? " " + std::to_string(index) : std::string()) +
+                    " holds " + std::to_string(posted) + " bytes";
+      } else {
+        op.bytes += info->length;
+      }
+      if (f.packing != op.packing && !op.has_override) {
+        op.has_override = true;
+        op.override_code = Errc::kWireMismatch;
+        op.override_reason =
+            "peer " + std::to_string(f.sender) + " sent " +
+            (f.packing == Packing::kIov ? "a packed (IOV) multi-buffer message"
+                                        : "a message in separate parts") +
+            " but this receive expects " +
+            (op.packing == Packing::kIov ? "a packed one" : "separate parts") +
+            ": COMMUX_COALESCE must have the same value on every rank and the buffer counts must "
+            "match";
+        if (op.remaining > 1) to_cancel_.push_back(op.self);  // the rest never comes
+      }
+    }
+  } else if (status == UCS_OK) {
+    op.bytes += op.packing == Packing::kIov ? op.capacity
+                                            : (op.buffers.empty() ? 0 : op.buffers[index].size);
+  }
+  if (status == UCS_ERR_MESSAGE_TRUNCATED && info == nullptr) {
+    op.detail = "the message is longer than the " + std::to_string(op.capacity) +
+                "-byte buffer posted (UCX did not report its length)";
+  }
+  if (status != UCS_OK && op.status == UCS_OK) op.status = status;
+  if (op.kind == Op::Kind::kRecv && op.peer == kAnySource && index == 0 && op.parts.size() > 1 &&
+      status == UCS_OK && !op.has_override) {
+    op.remaining += static_cast<int>(op.parts.size()) - 1;
+    deferred_.push_back(op.self);
+  }
+  if (--op.remaining == 0) finish_locked(op);
+}
+
+void Engine::finish_locked(Op& op) {
+  if (op.has_override) {
+    op.error = std::make_exception_ptr(Error(
+        op.override_code, std::string("commux ") + op.name + ": " + op.override_reason + " (" +
+                              describe(op) + ")"));
+  } else if (op.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    op.error = std::make_exception_ptr(
+        Error(Errc::kTruncated, std::string("commux ") + op.name + ": message from peer " +
+                                    std::to_string(op.source) + " with tag " +
+                                    std::to_string(op.tag) + " is too long: " + op.detail + " (" +
+                                    describe(op) + ")"));
+  } else if (op.status != UCS_OK) {
+    op.error = std::make_exception_ptr(error_from_status(op.status, std::string(op.name) + " " +
+                                                                        describe(op)));
+  }
+  const std::shared_ptr<Op> keep = worker_.unregister_locked(op);  // keeps op alive to the end of this
+  op.done.store(true);
+  worker_.notify_done();
+}
+
+Request Engine::post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
+                     int peer, TagKind kind, std::uint32_t tag, bool fast_completion) {
+  return make_request(post_op(dir == Direction::kSend ? Op::Kind::kSend : Op::Kind::kRecv, name,
+                              buffers, count, peer, kind, tag, fast_completion));
+}
+
+bool Op::test() { return engine->test(*this); }
+void Op::wait_for(std::chrono::milliseconds timeout) { engine->wait(*this, timeout); }
+void Op::request_cancel() { engine->cancel(*this); }
+std::chrono::milliseconds Op::default_timeout() const noexcept { return engine->options().timeout; }
+
+bool Engine::test(Op& op) {
+  if (op.done.load()) return true;
+  std::unique_lock<std::mutex> lock(worker_.mutex(), std::try_to_lock);
+  if (lock.owns_lock()) progress_locked();
+  return op.done.load();
+}
+
+void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
+  if (worker_.wait(op, timeout, options_.spin)) return;
+  std::string d;
+  {
+    std::lock_guard<std::mutex> lock(worker_.mutex());
+    d = describe(op);
+  }
+  throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": timed out after " +
+                                  std::to_string(timeout.count()) + " ms (" + d + ")");
+}
+
+void Engine::cancel(Op& op) {
+  std::lock_guard<std::mutex> lock(worker_.mutex());
+  if (op.done.load() || worker_.shut_down_locked()) return;
+  op.cancel_parts_locked(worker_.handle());
+}
+
+std::string Engine::describe(const Op& op) const {
+  std::string s = op.kind == Op::Kind::kSend ? "to peer " : "from ";
+  if (op.kind == Op::Kind::kRecv) {
+    s += op.peer == kAnySource ? "any source" : "peer " + std::to_string(op.peer);
+  } else {
+    s += std::to_string(op.peer);
+  }
+  s += ", tag " + std::to_string(op.tag);
+  if (op.tag_kind == TagKind::kInternal) s += " (internal)";
+  s += ", " + std::to_string(op.capacity) + " bytes";
+  if (op.buffers.size() > 1) s += " in " + std::to_string(op.buffers.size()) + " buffers";
+  s += ", group " + std::to_string(options_.group) + ", rank " + std::to_string(rank_) + " of " +
+       std::to_string(size_);
+  return s;
+}
+
+}  // namespace commux::detail

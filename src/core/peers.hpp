@@ -1,0 +1,83 @@
+// Private to src/core: the other ranks -- bootstrap through the Store, one endpoint each, and
+// their health: UCX's peer error handling towards other hosts, a process check on this host
+// (peer_record.hpp says why), failing what waits on a peer that is gone (docs/progress.md).
+//
+// Ownership: Peers owns the endpoints (from connect() to close_all_locked()) and the force-close
+// requests of dead same-host peers. It uses its Worker (which must outlive it) and the Worker's
+// in-flight list, whose Ops it marks when their peer fails; it owns none of them.
+// Locks: fields marked [mu] are guarded by the worker mutex (Worker::mutex()).
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commux/communicator.hpp"
+#include "commux/store.hpp"
+#include "peer_record.hpp"
+
+namespace commux::detail {
+
+class Peers;
+class Worker;
+
+struct Peer {
+  ucp_ep_h ep = nullptr;                  // [mu] nullptr before connecting and once closed
+  ucs_status_t status = UCS_OK;           // [mu] UCS_OK or why the peer failed
+  std::chrono::steady_clock::time_point failed_at{};  // [mu]
+  std::string reason;                     // [mu] why the peer is gone
+  ProcessIdentity identity;               // set in connect(), then read-only
+  bool same_host = false;                 // set in connect(), then read-only
+  // The endpoint error callback's argument is the Peer itself; these lead it back.
+  Peers* owner = nullptr;
+  int rank = -1;
+};
+
+class Peers {
+ public:
+  Peers(Worker& worker, int rank, int size) noexcept : worker_(worker), rank_(rank), size_(size) {}
+  Peers(const Peers&) = delete;
+  Peers& operator=(const Peers&) = delete;
+
+  // Bootstrap: publishes this worker's address and process identity in `store`, then reads every
+  // rank's (waiting up to options.timeout for each) and creates an endpoint to it. A same-host
+  // peer that left before we could connect is marked gone instead of failing the start.
+  void connect(Store& store, const Options& options);
+
+  // Valid once connect() has run; peer in 0..size-1. The fields say which need the lock.
+  Peer& operator[](int peer) noexcept { return peers_[static_cast<std::size_t>(peer)]; }
+  const Peer& operator[](int peer) const noexcept { return peers_[static_cast<std::size_t>(peer)]; }
+
+  // Marks `peer` gone (once; later calls keep the first reason) and fails the sends in flight to
+  // it. Receives from it are failed later by reap_locked(). [mu]
+  void fail_locked(int peer, ucs_status_t status, const std::string& reason);
+  // Checks whether the same-host peers' processes still live; fails and force-closes the dead
+  // ones. Takes the worker mutex; called by the progress thread.
+  void check_local();
+  // Fails receives waiting on a gone peer once nothing from it has matched for a grace period.
+  // Cheap unless some peer has failed. [mu]
+  void reap_locked() {
+    if (any_failed_) reap_failed_locked();
+  }
+  // Closes every endpoint (force-closing those to gone peers) and progresses the worker until
+  // the closes complete or `deadline` passes; frees what is left. [mu]
+  void close_all_locked(std::chrono::steady_clock::time_point deadline);
+
+ private:
+  static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
+  void reap_failed_locked();
+
+  Worker& worker_;
+  const int rank_;
+  const int size_;
+  std::vector<Peer> peers_;       // sized once in connect() (the error callbacks hold &peers_[p])
+  std::vector<void*> closing_;    // [mu] force-close requests of dead peers
+  bool any_failed_ = false;       // [mu]
+  std::chrono::steady_clock::time_point next_reap_{};  // [mu]
+};
+
+}  // namespace commux::detail

@@ -1,0 +1,174 @@
+// The worker, the progress thread and how a caller waits (docs/progress.md).
+#include "worker.hpp"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "engine.hpp"
+#include "status.hpp"
+
+namespace commux::detail {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr std::chrono::microseconds kMaxSpin{20000};
+}  // namespace
+
+Worker::~Worker() {
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Worker::create(ucp_context_h context, bool wakeup, RuntimeInfo& info) {
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialised by mu_
+  check_status(ucp_worker_create(context, &wp, &worker_), "init: ucp_worker_create");
+  if (!wakeup || ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
+  info.event_fd = efd_ >= 0;
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) throw Error(Errc::kTransport, "commux init: eventfd failed");
+}
+
+void Worker::destroy_locked() noexcept {
+  if (worker_ != nullptr) {
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+  }
+}
+
+std::vector<std::shared_ptr<Op>> Worker::inflight_snapshot_locked() const {
+  std::vector<std::shared_ptr<Op>> out;
+  for (Op* op = inflight_; op != nullptr; op = op->next) out.push_back(op->self);
+  return out;
+}
+
+void Worker::kick() noexcept {
+  if (wake_fd_ < 0) return;
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const ssize_t w = ::write(wake_fd_, &one, sizeof(one));
+}
+
+bool Worker::wait_for_kick(std::chrono::microseconds timeout, int other_fd) {
+  pollfd fds[2] = {pollfd{wake_fd_, POLLIN, 0}, pollfd{other_fd, POLLIN, 0}};
+  const auto secs = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  const timespec ts{static_cast<time_t>(secs.count()),
+                    static_cast<long>((timeout - secs).count() * 1000)};
+  const int r = ::ppoll(fds, other_fd >= 0 ? 2 : 1, &ts, nullptr);
+  if (r > 0 && (fds[0].revents & POLLIN)) {
+    std::uint64_t drain = 0;
+    [[maybe_unused]] const ssize_t got = ::read(wake_fd_, &drain, sizeof(drain));
+    return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The progress thread
+
+void Worker::start_progress_thread() {
+  progress_thread_ = std::thread([this] { progress_thread_main(); });
+}
+
+void Worker::stop_progress_thread() {
+  stop_.store(true);
+  kick();
+  if (progress_thread_.joinable()) progress_thread_.join();
+}
+
+void Worker::progress_thread_main() {
+  // Polling mode backs off from 5 us to a cap while nothing happens: responsive right after
+  // traffic, nearly free when idle.
+  constexpr auto kMinIdle = std::chrono::microseconds(5);
+  auto idle = kMinIdle;
+  auto next_check = Clock::now();
+  while (!stop_.load()) {
+    if (inflight_count_.load() > 0 && Clock::now() >= next_check) {
+      engine_.check_local_peers();
+      next_check = Clock::now() + std::chrono::milliseconds(200);
+    }
+    if (spinners_.load() > 0) {
+      // A user thread is progressing: stay off the CPU until it stops (or 10 ms pass).
+      wait_for_kick(std::chrono::milliseconds(10), -1);
+      idle = kMinIdle;
+      continue;
+    }
+    unsigned n = 0;
+    bool busy = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (shut_down_) break;
+      for (int i = 0; i < 256; ++i) {
+        const unsigned k = engine_.progress_locked();
+        n += k;
+        if (k == 0) break;
+      }
+      if (efd_ >= 0 && n == 0) busy = ucp_worker_arm(worker_) == UCS_ERR_BUSY;
+    }
+    const bool in_flight = inflight_count_.load() > 0;
+    if (efd_ >= 0) {
+      if (n > 0 || busy) continue;
+      // Event mode: sleep until the worker's fd fires; wake at least every 10 ms while work is in
+      // flight (transports whose pending queues raise no event, keepalive).
+      wait_for_kick(std::chrono::milliseconds(in_flight ? 10 : 100), efd_);
+      continue;
+    }
+    if (n > 0) {
+      idle = kMinIdle;
+      continue;
+    }
+    // Grow by 1/4 per idle poll: the interval stays about a fifth of the time since the last
+    // activity, so a completion is noticed late by at most ~20% of the wait, and a long wait
+    // settles at the cap (1 ms while work is in flight, 20 ms otherwise).
+    const auto cap = in_flight ? std::chrono::microseconds(1000) : std::chrono::microseconds(20000);
+    idle = std::min(idle + idle / 4 + std::chrono::microseconds(1), cap);
+    if (wait_for_kick(idle, -1)) idle = kMinIdle;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting: spin, then sleep
+
+bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin) {
+  if (op.done.load()) return true;
+  {  // one progress call before anything else: most small messages complete here
+    std::lock_guard<std::mutex> lock(mu_);
+    engine_.progress_locked();
+  }
+  if (op.done.load()) return true;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  // Spin at least `spin`, and longer for large messages: while a rendezvous of N bytes is under
+  // way its completion is expected within about N / (2 GB/s), and sleeping through it would add
+  // the progress thread's poll interval to every large transfer.
+  const auto expected = std::chrono::microseconds(op.capacity / 2000);
+  const auto spin_until =
+      std::min(deadline, start + std::clamp<std::chrono::microseconds>(expected, spin, kMaxSpin));
+  spinners_.fetch_add(1);
+  for (unsigned iter = 1; !op.done.load(); ++iter) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      engine_.progress_locked();
+    }
+    if ((iter & 15) == 0 && Clock::now() >= spin_until) break;
+  }
+  const int left = spinners_.fetch_sub(1) - 1;
+  if (op.done.load()) {
+    // Hand background progress back to the progress thread if others still have work in flight.
+    if (left == 0 && inflight_count_.load() > 0) kick();
+    return true;
+  }
+  sleepers_.fetch_add(1);
+  kick();
+  {
+    std::unique_lock<std::mutex> lock(done_mu_);
+    done_cv_.wait_until(lock, deadline, [&] { return op.done.load(); });
+  }
+  sleepers_.fetch_sub(1);
+  return op.done.load();
+}
+
+}  // namespace commux::detail
