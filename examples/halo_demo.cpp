@@ -10,7 +10,8 @@
 //   * multi-buffer messages: every halo is one message of two buffers, {header, cells}. North and
 //     south rows are sent from and received into the grid itself (no copy); east and west columns
 //     are packed into contiguous buffers first. The receiver checks the header's iteration.
-//   * a reduction without collectives (commux has none yet): the residual max |new - old| is
+//   * a reduction built from point-to-point on purpose (commux::coll::allreduce does it in one
+//     call; this exercises receive-from-any): the residual max |new - old| is
 //     gathered at rank 0 with kAnySource receives -- Request::source() must name each other rank
 //     exactly once -- and the maximum is sent back.
 //   * verification: rank 0 gathers the grid and compares it with a single-process solve of the
