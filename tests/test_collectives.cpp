@@ -762,7 +762,7 @@ TEST(Algorithms, FallbackSelectionAndUnknownNames) {
 // COMMUX_ALGO_ALLREDUCE, read once per process (commux::settings()): this test checks what the
 // environment it started with asks for -- unset (the selector), a name (that algorithm) or an unknown
 // name (every call fails naming the variable). ctest runs it once more with each of the latter two
-// (tests/CMakeLists.txt: collectives.env_algo_*).
+// (tests/CMakeLists.txt: collectives.env_algo_*); a name must be one that handles 3 ranks.
 TEST(Algorithms, FromEnvironmentReadOnce) {
   const char* raw = std::getenv("COMMUX_ALGO_ALLREDUCE");
   const std::string asked = raw != nullptr && std::string(raw) != "auto" ? raw : "";
