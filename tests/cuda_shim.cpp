@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "commux/settings.hpp"
+
 namespace commux::test {
 
 namespace {
@@ -89,8 +91,8 @@ CudaRuntime::~CudaRuntime() = default;
 
 std::unique_ptr<CudaRuntime> CudaRuntime::open(int ordinal, std::string* why) {
   std::vector<std::string> candidates;
-  const char* env = std::getenv("COMMUX_CUDART");
-  if (env != nullptr && *env != '\0') candidates.emplace_back(env);
+  const std::string& env = commux::settings().cudart;  // COMMUX_CUDART
+  if (!env.empty()) candidates.emplace_back(env);
   for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
     if (std::find(candidates.begin(), candidates.end(), name) == candidates.end()) {
       candidates.emplace_back(name);

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <complex>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -741,23 +742,39 @@ TEST(Algorithms, FallbackSelectionAndUnknownNames) {
   });
   coll::force_algorithm("allreduce", "auto");
   EXPECT_EQ(coll::forced_algorithm("allreduce"), "");
-  // COMMUX_ALGO_ALLREDUCE, read at each call (set here before the ranks start).
-  ::setenv("COMMUX_ALGO_ALLREDUCE", "rabenseifner", 1);
-  EXPECT_EQ(coll::forced_algorithm("allreduce"), "rabenseifner");
-  run_world(3, [](Rank& k) {
+}
+
+// COMMUX_ALGO_ALLREDUCE, read once per process (commux::settings()): this test checks what the
+// environment it started with asks for -- unset (the selector), a name (that algorithm) or an unknown
+// name (every call fails naming the variable). ctest runs it once more with each of the latter two
+// (tests/CMakeLists.txt: collectives.env_algo_*); a name must be one that handles 3 ranks.
+TEST(Algorithms, FromEnvironmentReadOnce) {
+  const char* raw = std::getenv("COMMUX_ALGO_ALLREDUCE");
+  const std::string asked = raw != nullptr && std::string(raw) != "auto" ? raw : "";
+  const auto names = coll::algorithms("allreduce");
+  const bool known = std::find(names.begin(), names.end(), asked) != names.end();
+  EXPECT_EQ(coll::forced_algorithm("allreduce"), asked);
+  // Read once: a later change of the environment is not seen.
+  ::setenv("COMMUX_ALGO_ALLREDUCE", asked == "ring" ? "halves" : "ring", 1);
+  EXPECT_EQ(coll::forced_algorithm("allreduce"), asked);
+  run_world(3, [&](Rank& k) {
     std::vector<float> v = contribution(k.r(), 100000);
-    coll::allreduce(k.ctx("allreduce"), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
-    CX_CHECK_EQ(std::string(coll::last_algorithm()), "rabenseifner");
-  });
-  ::setenv("COMMUX_ALGO_ALLREDUCE", "bogus", 1);
-  run_world(2, [](Rank& k) {
-    std::vector<float> v = contribution(k.r(), 10);
-    const std::string msg = expect_error(Errc::kInvalidArgument, [&] {
+    if (asked.empty() || known) {
       coll::allreduce(k.ctx("allreduce"), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
-    });
-    CX_CHECK_HAS(msg, "unknown allreduce algorithm 'bogus' (from COMMUX_ALGO_ALLREDUCE)");
+      CX_CHECK_EQ(std::string(coll::last_algorithm()), asked.empty() ? "ring" : asked);
+    } else {
+      const std::string msg = expect_error(Errc::kInvalidArgument, [&] {
+        coll::allreduce(k.ctx("allreduce"), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+      });
+      CX_CHECK_HAS(msg, "unknown allreduce algorithm '" + asked + "' (from COMMUX_ALGO_ALLREDUCE)");
+      coll::barrier(k.ctx("barrier"));  // nothing was left posted
+    }
   });
-  ::unsetenv("COMMUX_ALGO_ALLREDUCE");
+  if (raw != nullptr) {
+    ::setenv("COMMUX_ALGO_ALLREDUCE", raw, 1);
+  } else {
+    ::unsetenv("COMMUX_ALGO_ALLREDUCE");
+  }
 }
 
 // Buffers of a memory type other than kHost take the device path: reductions staged through host

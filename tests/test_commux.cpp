@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "checks.hpp"
+#include "commux/settings.hpp"
 #include "cuda_shim.hpp"
 
 using namespace commux;
@@ -91,9 +92,9 @@ int run_bench(Communicator& c, Space& s) {
     std::fprintf(stderr, "test_commux: COMMUX_BENCH needs at least 2 ranks\n");
     return 2;
   }
-  const int v = static_cast<int>(env_or("COMMUX_BENCH_V", 1));
-  const auto bytes = static_cast<std::size_t>(env_or("COMMUX_BENCH_BYTES", 8));
-  const int iters = static_cast<int>(env_or("COMMUX_BENCH_ITERS", 20000));
+  const int v = static_cast<int>(commux::settings().bench_v);
+  const auto bytes = static_cast<std::size_t>(commux::settings().bench_bytes);
+  const int iters = static_cast<int>(commux::settings().bench_iters);
   if (c.rank() > 1) return 0;
   const int peer = 1 - c.rank();
   std::vector<Msg> data(static_cast<std::size_t>(v));
@@ -182,7 +183,7 @@ int run_cuda(Communicator& c, CudaRuntime* rt, std::string why) {
               info.ucx_version.c_str(), joined(info.memory_types).c_str());
   std::fflush(stdout);
   CudaSpace space(*rt);
-  if (std::getenv("COMMUX_BENCH") != nullptr) return run_bench(c, space);
+  if (commux::settings().bench) return run_bench(c, space);
   return run_checks(c, checks_in(space, true), "cuda ") == 0 ? 0 : 1;
 }
 
@@ -196,13 +197,14 @@ int main(int argc, char** argv) {
   const int rank = std::atoi(argv[1]);
   const int size = std::atoi(argv[2]);
   const int port = std::atoi(argv[4]);
-  const char* device = std::getenv("UCXPG_DEVICE");
-  const bool cuda = device != nullptr && std::strcmp(device, "cuda") == 0;
-  if (device != nullptr && *device != '\0' && !cuda && std::strcmp(device, "cpu") != 0) {
-    std::fprintf(stderr, "test_commux: UCXPG_DEVICE=%s is not a device (cpu or cuda)\n", device);
+  bool cuda = false;
+  try {
+    cuda = commux::settings().device_cuda;  // UCXPG_DEVICE; every variable is checked here
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "test_commux: %s\n", e.what());
     return 2;
   }
-  ::alarm(static_cast<unsigned>(env_or("COMMUX_TEST_TIMEOUT_S", 120)));  // never hang
+  ::alarm(static_cast<unsigned>(commux::settings().test_timeout_s));  // never hang
   try {
     // CUDA first: its context exists before UCX starts (as UCX advises).
     std::unique_ptr<CudaRuntime> rt;
@@ -214,7 +216,7 @@ int main(int argc, char** argv) {
       Communicator comm(store, rank, size);
       if (cuda) {
         rc = run_cuda(comm, rt.get(), cuda_missing);
-      } else if (std::getenv("COMMUX_BENCH") != nullptr) {
+      } else if (commux::settings().bench) {
         rc = run_bench(comm, host_space());
       } else {
         rc = run_checks(comm, checks_in(host_space(), false), "") == 0 ? 0 : 1;

@@ -284,3 +284,143 @@ TEST(Transports, ProbeListsWhatThisUcxHasWhateverUcxTlsSays) {
   ::unsetenv("UCX_TLS");
   EXPECT_EQ(all, again);
 }
+
+// ---- settings (commux/settings.hpp): the table and its one parser ---------------------------------
+
+namespace {
+
+// A fake environment for Settings::parse.
+Settings parse_env(const std::vector<std::pair<std::string, std::string>>& env) {
+  return Settings::parse([&env](const char* name) -> const char* {
+    for (const auto& kv : env) {
+      if (kv.first == name) return kv.second.c_str();
+    }
+    return nullptr;
+  });
+}
+
+std::string parse_error(const std::vector<std::pair<std::string, std::string>>& env) {
+  try {
+    parse_env(env);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kInvalidArgument);
+    return e.what();
+  }
+  ADD_FAILURE() << "no error for " << env.front().first << "='" << env.front().second << "'";
+  return {};
+}
+
+}  // namespace
+
+TEST(Settings, DefaultsAreTheTableDefaults) {
+  const Settings s = parse_env({});
+  const Options o;  // the defaults Options documents
+  EXPECT_FALSE(s.coalesce);
+  EXPECT_FALSE(s.group);
+  EXPECT_EQ(s.spin, o.spin);
+  EXPECT_EQ(s.timeout, o.timeout);
+  EXPECT_EQ(s.shutdown_timeout, o.shutdown_timeout);
+  EXPECT_EQ(s.wakeup, Settings::Wakeup::kAuto);
+  EXPECT_TRUE(s.ucx_defaults);
+  EXPECT_FALSE(s.aten_reduce);
+  EXPECT_FALSE(s.device_cuda);
+  EXPECT_EQ(s.test_timeout_s, 120);
+  ASSERT_EQ(s.values.size(), settings_table().size());
+  for (std::size_t i = 0; i < s.values.size(); ++i) {
+    EXPECT_EQ(s.values[i].setting, &settings_table()[i]);
+    EXPECT_FALSE(s.values[i].from_env) << s.values[i].setting->name;
+  }
+  EXPECT_EQ(s.text("COMMUX_ALGO_ALLREDUCE"), "auto");
+  EXPECT_EQ(s.text("COMMUX_CUDART"), "");
+}
+
+TEST(Settings, TableNamesAreUniqueAndDocumented) {
+  std::vector<std::string> names;
+  for (const Setting& s : settings_table()) {
+    names.emplace_back(s.name);
+    EXPECT_TRUE(names.back().rfind("COMMUX_", 0) == 0 || names.back() == "UCXPG_DEVICE") << s.name;
+    EXPECT_NE(std::string(s.type), "") << s.name;
+    EXPECT_NE(std::string(s.default_value), "") << s.name;
+    EXPECT_NE(std::string(s.meaning), "") << s.name;
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(std::adjacent_find(names.begin(), names.end()), names.end());
+}
+
+TEST(Settings, ParsesValidValues) {
+  const Settings s = parse_env({{"COMMUX_COALESCE", "1"},
+                                {"COMMUX_GROUP", "on"},
+                                {"COMMUX_SPIN_US", "0"},
+                                {"COMMUX_TIMEOUT_MS", "2500"},
+                                {"COMMUX_SHUTDOWN_TIMEOUT_MS", "10"},
+                                {"COMMUX_WAKEUP", "off"},
+                                {"COMMUX_UCX_DEFAULTS", "0"},
+                                {"COMMUX_ATEN_REDUCE", "true"},
+                                {"COMMUX_ALGO_ALLREDUCE", "ring"},
+                                {"UCXPG_DEVICE", "cuda"},
+                                {"COMMUX_BENCH_V", "16"},
+                                {"COMMUX_CUDART", "/opt/libcudart.so.13"},
+                                {"COMMUX_TEST_TIMEOUT_S", ""}});  // empty: unset
+  EXPECT_TRUE(s.coalesce);
+  EXPECT_TRUE(s.group);
+  EXPECT_EQ(s.spin.count(), 0);
+  EXPECT_EQ(s.timeout.count(), 2500);
+  EXPECT_EQ(s.shutdown_timeout.count(), 10);
+  EXPECT_EQ(s.wakeup, Settings::Wakeup::kOff);
+  EXPECT_FALSE(s.ucx_defaults);
+  EXPECT_TRUE(s.aten_reduce);
+  EXPECT_TRUE(s.device_cuda);
+  EXPECT_EQ(s.bench_v, 16);
+  EXPECT_EQ(s.cudart, "/opt/libcudart.so.13");
+  EXPECT_EQ(s.test_timeout_s, 120);
+  EXPECT_EQ(s.text("COMMUX_ALGO_ALLREDUCE"), "ring");
+  EXPECT_EQ(s.text("COMMUX_WAKEUP"), "off");
+  const std::vector<std::string> given = {
+      "COMMUX_COALESCE", "COMMUX_GROUP", "COMMUX_SPIN_US", "COMMUX_TIMEOUT_MS",
+      "COMMUX_SHUTDOWN_TIMEOUT_MS", "COMMUX_WAKEUP", "COMMUX_UCX_DEFAULTS", "COMMUX_ATEN_REDUCE",
+      "COMMUX_ALGO_ALLREDUCE", "UCXPG_DEVICE", "COMMUX_BENCH_V", "COMMUX_CUDART"};
+  for (const auto& v : s.values) {
+    const bool set = std::find(given.begin(), given.end(), v.setting->name) != given.end();
+    EXPECT_EQ(v.from_env, set) << v.setting->name;
+  }
+  EXPECT_EQ(parse_env({{"COMMUX_WAKEUP", "1"}}).wakeup, Settings::Wakeup::kOn);
+  EXPECT_EQ(parse_env({{"COMMUX_WAKEUP", "auto"}}).wakeup, Settings::Wakeup::kAuto);
+}
+
+TEST(Settings, InvalidValuesNameTheVariableAndTheValue) {
+  EXPECT_EQ(parse_error({{"COMMUX_WAKEUP", "sometimes"}}),
+            "commux settings: COMMUX_WAKEUP='sometimes' is not auto, on or off");
+  EXPECT_NE(parse_error({{"COMMUX_SPIN_US", "-5"}}).find("COMMUX_SPIN_US='-5' is not a non-negative integer"),
+            std::string::npos);
+  EXPECT_NE(parse_error({{"COMMUX_TIMEOUT_MS", "10s"}}).find("COMMUX_TIMEOUT_MS='10s'"), std::string::npos);
+  EXPECT_NE(parse_error({{"COMMUX_TIMEOUT_MS", "99999999999999999999999"}}).find("non-negative integer"),
+            std::string::npos);
+  EXPECT_NE(parse_error({{"COMMUX_GROUP", "2"}}).find("COMMUX_GROUP='2' is not a boolean"), std::string::npos);
+  EXPECT_NE(parse_error({{"UCXPG_DEVICE", "gpu"}}).find("UCXPG_DEVICE='gpu' is not a device (cpu or cuda)"),
+            std::string::npos);
+  try {
+    parse_env({}).text("COMMUX_NOPE");
+    ADD_FAILURE() << "no error for an unknown setting";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'COMMUX_NOPE' is not a commux setting"), std::string::npos);
+  }
+}
+
+// Options::from_env() reads the environment at each call (each communicator / process group).
+TEST(Settings, OptionsFromEnvReadsTheEnvironmentNow) {
+  ::setenv("COMMUX_SPIN_US", "7", 1);
+  ::setenv("COMMUX_GROUP", "1", 1);
+  EXPECT_EQ(Options::from_env().spin.count(), 7);
+  EXPECT_TRUE(Options::from_env().defer_in_window);
+  ::setenv("COMMUX_WAKEUP", "x", 1);
+  try {
+    Options::from_env();
+    ADD_FAILURE() << "no error for COMMUX_WAKEUP=x";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("COMMUX_WAKEUP='x' is not auto, on or off"), std::string::npos);
+  }
+  ::unsetenv("COMMUX_WAKEUP");
+  ::unsetenv("COMMUX_GROUP");
+  ::setenv("COMMUX_SPIN_US", "100", 1);  // as ctest sets it
+  EXPECT_FALSE(Options::from_env().defer_in_window);
+}

@@ -1,10 +1,12 @@
 // commux_info: what commux would use in this process -- UCX version, transports, memory types,
-// the UCX defaults commux applies, and the UCX_* settings found in the environment.
+// the UCX defaults commux applies, the UCX_* settings found in the environment, and every commux
+// setting (commux/settings.hpp) with its value and where it came from.
 // Asks UCX through commux::probe_runtime (a one-rank communicator), prints, exits.
 #include <cstdio>
 #include <string>
 
 #include "commux/communicator.hpp"
+#include "commux/settings.hpp"
 
 namespace {
 
@@ -31,6 +33,11 @@ int main() {
                 o.packing == commux::Packing::kIov ? "IOV (COMMUX_COALESCE)" : "separate parts");
     std::printf("%-22s %lld us\n", "spin before sleeping", static_cast<long long>(o.spin.count()));
     std::printf("%-22s %lld ms\n", "default timeout", static_cast<long long>(o.timeout.count()));
+    std::printf("settings (commux/settings.hpp; README \"Runtime settings\"):\n");
+    for (const auto& v : commux::settings().values) {
+      std::printf("  %-28s %-10s (%s)\n", v.setting->name, v.text.empty() ? "-" : v.text.c_str(),
+                  v.from_env ? "environment" : "default");
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "commux_info: %s\n", e.what());
     return 1;

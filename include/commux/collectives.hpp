@@ -110,9 +110,10 @@ struct Context {
 // The names of `op`'s algorithms (what Context::algorithm and COMMUX_ALGO_<OP> accept).
 std::vector<std::string> algorithms(const char* op);
 // Process-wide forced algorithm for `op` (every thread, every call whose Context::algorithm is
-// unset); nullptr, "" or "auto" clears it. Without one, each call reads the environment variable
-// COMMUX_ALGO_<OP>=<name> (OP upper case: ALLREDUCE, BROADCAST, REDUCE, ALLGATHER, REDUCE_SCATTER,
-// ALLTOALL, BARRIER, GATHER, SCATTER; "auto" or empty: the selector). Precedence:
+// unset); nullptr, "" or "auto" clears it. Without one, the environment variable
+// COMMUX_ALGO_<OP>=<name> forces it, read once per process (commux::settings()); OP upper case:
+// ALLREDUCE, BROADCAST, REDUCE, ALLGATHER, REDUCE_SCATTER, ALLTOALL, BARRIER, GATHER, SCATTER;
+// "auto" or empty: the selector. Precedence:
 // Context::algorithm, then force_algorithm(), then COMMUX_ALGO_<OP>, then the selector. Throws
 // Error(kInvalidArgument) for an unknown op or algorithm name (an unknown name in the variable
 // makes each call of that collective throw it, before anything is posted).

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "commux/error.hpp"
+#include "commux/settings.hpp"
 #include "commux/store.hpp"
 #include "commux/tag.hpp"
 
@@ -69,9 +70,10 @@ struct Options {
   // Keys in the store are "<store_prefix>/...".
   std::string store_prefix = "commux";
 
-  // Defaults overridden by the environment: COMMUX_COALESCE=1 (packing = kIov), COMMUX_GROUP=1
-  // (defer_in_window),
+  // Defaults overridden by the environment, read now (Settings::from_environment(), see
+  // commux/settings.hpp): COMMUX_COALESCE (packing = kIov), COMMUX_GROUP (defer_in_window),
   // COMMUX_SPIN_US, COMMUX_TIMEOUT_MS, COMMUX_SHUTDOWN_TIMEOUT_MS, COMMUX_WAKEUP=auto|on|off.
+  // Throws Error(kInvalidArgument) naming a variable whose value does not parse.
   static Options from_env();
 };
 

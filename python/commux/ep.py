@@ -44,7 +44,6 @@ data has arrived when the call returns).
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from typing import List, Optional, Tuple, Union
 
@@ -181,7 +180,7 @@ class _AllToAll:
 
 # COMMUX_EP_ATEN=1: pack and unpack host tensors with the device path's ATen operations, so the
 # code that serves GPU tensors is exercised on a machine without one (a check, not a speed-up).
-_C._ep_set_aten_on_host(os.environ.get("COMMUX_EP_ATEN", "0") == "1")
+_C._ep_set_aten_on_host(_C.settings()["COMMUX_EP_ATEN"]["value"])
 
 _ids_lock = threading.Lock()
 _next_ids: dict = {}  # id(group) -> the next Buffer id (ranks create their Buffers in the same order)

@@ -1,5 +1,6 @@
 """python -m commux.info: versions of commux, torch and UCX, UCX's transports and memory types,
-and the settings in effect (commux's UCX defaults and the user's UCX_* / COMMUX_* variables)."""
+and the settings in effect: commux's UCX defaults, the user's UCX_* variables, and every commux
+setting (the table of commux/settings.hpp) with its value and whether it came from the environment."""
 from __future__ import annotations
 
 import os
@@ -57,9 +58,16 @@ def main() -> int:
         print(f"  commux default: {d}")
     for s in info["user_settings"]:
         print(f"  from the environment: {s}")
-    env = {k: v for k, v in os.environ.items() if k.startswith("COMMUX_")}
-    for k in sorted(env):
-        print(f"  from the environment: {k}={env[k]}")
+    print("commux settings (README, Runtime settings):")
+    from commux import _C
+
+    values = _C.settings()
+    for row in _C.settings_table():
+        v = values[row["name"]]
+        print(f"  {row['name']:<28} {v['text'] or '-':<12} ({v['source']}; read {row['read']})")
+    known = {row["name"] for row in _C.settings_table()}
+    for k in sorted(k for k in os.environ if k.startswith("COMMUX_") and k not in known):
+        print(f"  {k}={os.environ[k]}: not a commux runtime setting")
     return 0
 
 

@@ -206,6 +206,46 @@ PYBIND11_MODULE(_C, m) {
       py::arg("rows"), py::arg("expert"), py::arg("src"), py::arg("recv_counts"), py::arg("lo"),
       py::arg("experts_here"), py::arg("slots"));
 
+  // Settings (commux/settings.hpp): the table, and the values this process read at first use.
+  m.def(
+      "settings_table",
+      [] {
+        py::list rows;
+        for (const commux::Setting& s : commux::settings_table()) {
+          py::dict d;
+          d["name"] = s.name;
+          d["type"] = s.type;
+          d["default"] = s.default_value;
+          d["read"] = s.per_communicator ? "per group" : "once";
+          d["meaning"] = s.meaning;
+          rows.append(d);
+        }
+        return rows;
+      },
+      "Every environment variable commux reads: name, type, default, read (per group or once), meaning");
+  m.def(
+      "settings",
+      [] {
+        py::dict out;
+        for (const auto& v : commux::settings().values) {
+          const std::string type = v.setting->type;
+          py::dict d;
+          d["text"] = v.text;
+          d["source"] = v.from_env ? "environment" : "default";
+          if (type == "bool") {
+            d["value"] = v.text == "1" || v.text == "on" || v.text == "true" || v.text == "yes";
+          } else if (type == "int") {
+            d["value"] = std::stol(v.text);  // checked by the parser
+          } else {
+            d["value"] = v.text;
+          }
+          out[v.setting->name] = d;
+        }
+        return out;
+      },
+      "{name: {value, text, source}} for every setting, as parsed at first use in this process; "
+      "raises RuntimeError naming a variable whose value does not parse");
+
   m.def("choose_transports", &choose_transports, py::arg("accelerator"), py::arg("available"),
         py::arg("user_tls") = py::none(),
         "The UCX transports for an accelerator ('cuda', 'rocm', 'xpu', 'none' or another device "

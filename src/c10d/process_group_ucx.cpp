@@ -15,6 +15,7 @@
 
 #include "commux/collectives.hpp"
 #include "commux/error.hpp"
+#include "commux/settings.hpp"
 #include "../core/channel.hpp"
 #include "device.hpp"
 #include "torch_compat.hpp"
@@ -291,10 +292,8 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
   streams_ = std::make_unique<c10d_detail::DeviceStreams>();
   // COMMUX_ATEN_REDUCE=1: CPU collectives also work through the ATen DeviceOps (scratch, local
   // copies and reductions by ATen's CPU kernels) -- the device path's code, checkable without a
-  // GPU. Not a speed-up: 1.03-1.35x slower than commux's kernels here
-  // (bench/experiments/aten_reduce_ab.py).
-  const char* aten = std::getenv("COMMUX_ATEN_REDUCE");
-  aten_on_cpu_ = aten != nullptr && std::string(aten) == "1";
+  // GPU. Not a speed-up: 1.03-1.35x slower than commux's kernels here (bench/experiments/aten_reduce_ab.py).
+  aten_on_cpu_ = commux::Settings::from_environment().aten_reduce;  // read as the group is created
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
   worker_ = std::thread([this] { worker_loop(); });
 }

@@ -1,14 +1,15 @@
 // The algorithm tables of every collective, forcing (Context::algorithm, then force_algorithm(),
-// then the COMMUX_ALGO_<OP> variable, read at each call) and last_algorithm().
+// then the COMMUX_ALGO_<OP> variable, from commux::settings(): read once per process) and
+// last_algorithm().
 #include <array>
 #include <atomic>
 #include <cctype>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "algo.hpp"
+#include "commux/settings.hpp"
 
 namespace commux::coll {
 
@@ -68,10 +69,20 @@ Coll coll_of(const char* op) {
                                           "'; the collectives are: " + join(all));
 }
 
+// The variables, in kNames' order, and their values as read once per process (commux::settings()).
 constexpr std::array<const char*, kColls> kEnv = {
     "COMMUX_ALGO_ALLREDUCE", "COMMUX_ALGO_BROADCAST", "COMMUX_ALGO_REDUCE", "COMMUX_ALGO_ALLGATHER",
     "COMMUX_ALGO_REDUCE_SCATTER", "COMMUX_ALGO_ALLTOALL", "COMMUX_ALGO_BARRIER", "COMMUX_ALGO_GATHER",
     "COMMUX_ALGO_SCATTER"};
+
+const std::string& env_algorithm(std::size_t i) {
+  static const std::array<std::string, kColls> values = [] {
+    std::array<std::string, kColls> v;
+    for (std::size_t k = 0; k < kColls; ++k) v[k] = commux::settings().text(kEnv[k]);
+    return v;
+  }();
+  return values[i];
+}
 
 // The process-wide choices of force_algorithm(); `any` lets calls skip the lock when none is set.
 struct Forced {
@@ -105,8 +116,8 @@ std::string forced_name(const Context& ctx, Coll c, const char** source) {
       return f.name[i];
     }
   }
-  const char* env = std::getenv(kEnv[i]);
-  if (is_auto(env)) return {};
+  const std::string& env = env_algorithm(i);
+  if (is_auto(env.c_str())) return {};
   *source = kEnv[i];
   return env;
 }
@@ -207,8 +218,8 @@ std::string forced_algorithm(const char* op) {
     std::lock_guard<std::mutex> g(f.mu);
     if (!f.name[i].empty()) return f.name[i];
   }
-  const char* env = std::getenv(detail::kEnv[i]);
-  return detail::is_auto(env) ? std::string() : std::string(env);
+  const std::string& env = detail::env_algorithm(i);
+  return detail::is_auto(env.c_str()) ? std::string() : env;
 }
 
 const char* last_algorithm() noexcept { return detail::t_last; }

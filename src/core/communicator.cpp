@@ -7,31 +7,10 @@
 #include <cstring>
 #include <filesystem>
 
+#include "commux/settings.hpp"
 #include "engine.hpp"
 
 namespace commux {
-
-namespace {
-
-long env_long(const char* name, long fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  if (end == v || *end != '\0' || x < 0) {
-    throw Error(Errc::kInvalidArgument, std::string("commux init: ") + name + "='" + v +
-                                            "' is not a non-negative integer");
-  }
-  return x;
-}
-
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0 && std::strcmp(v, "false") != 0 &&
-         std::strcmp(v, "off") != 0;
-}
-
-}  // namespace
 
 const char* memory_type_name(MemoryType m) noexcept {
   switch (m) {
@@ -46,24 +25,17 @@ const char* memory_type_name(MemoryType m) noexcept {
 }
 
 Options Options::from_env() {
+  const Settings s = Settings::from_environment();  // read at each communicator's creation
   Options o;
-  if (env_flag("COMMUX_COALESCE")) o.packing = Packing::kIov;
-  o.defer_in_window = env_flag("COMMUX_GROUP");
-  o.spin = std::chrono::microseconds(env_long("COMMUX_SPIN_US", o.spin.count()));
-  o.timeout = std::chrono::milliseconds(env_long("COMMUX_TIMEOUT_MS", o.timeout.count()));
-  o.shutdown_timeout = std::chrono::milliseconds(
-      env_long("COMMUX_SHUTDOWN_TIMEOUT_MS", o.shutdown_timeout.count()));
-  if (const char* w = std::getenv("COMMUX_WAKEUP"); w != nullptr && *w != '\0') {
-    const std::string v = w;
-    if (v == "auto") {
-      o.wakeup = Options::Wakeup::kAuto;
-    } else if (v == "on" || v == "1") {
-      o.wakeup = Options::Wakeup::kOn;
-    } else if (v == "off" || v == "0") {
-      o.wakeup = Options::Wakeup::kOff;
-    } else {
-      throw Error(Errc::kInvalidArgument, "commux init: COMMUX_WAKEUP='" + v + "' is not auto, on or off");
-    }
+  if (s.coalesce) o.packing = Packing::kIov;
+  o.defer_in_window = s.group;
+  o.spin = s.spin;
+  o.timeout = s.timeout;
+  o.shutdown_timeout = s.shutdown_timeout;
+  switch (s.wakeup) {
+    case Settings::Wakeup::kAuto: o.wakeup = Options::Wakeup::kAuto; break;
+    case Settings::Wakeup::kOn: o.wakeup = Options::Wakeup::kOn; break;
+    case Settings::Wakeup::kOff: o.wakeup = Options::Wakeup::kOff; break;
   }
   return o;
 }

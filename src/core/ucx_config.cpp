@@ -6,6 +6,8 @@
 #include <fstream>
 #include <string>
 
+#include "commux/settings.hpp"
+
 extern char** environ;
 
 namespace commux::detail {
@@ -41,8 +43,7 @@ std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<st
     }
   }
   std::vector<std::string> applied;
-  const char* off = std::getenv("COMMUX_UCX_DEFAULTS");
-  if (off != nullptr && std::strcmp(off, "0") == 0) return applied;
+  if (!Settings::from_environment().ucx_defaults) return applied;  // COMMUX_UCX_DEFAULTS=off
   for (const auto& d : ucx_defaults()) {
     const std::string env = std::string("UCX_") + d.name;
     if (std::getenv(env.c_str()) != nullptr) continue;  // the user's setting wins

@@ -22,7 +22,7 @@ bool running_under_hypervisor();
 const std::vector<UcxDefault>& ucx_defaults();
 
 // Applies each default to `config` unless the user set UCX_<name> in the environment (the user's
-// setting always wins) or COMMUX_UCX_DEFAULTS=0. Returns "NAME=value" for each one applied and
+// setting always wins) or COMMUX_UCX_DEFAULTS=off. Returns "NAME=value" for each one applied and
 // fills `user` with the UCX_* variables found in the environment.
 std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<std::string>* user);
 
