@@ -92,9 +92,9 @@ bool CollWork::wait(std::chrono::milliseconds timeout) {
                          [&] { return task_->done; });
   if (!finished) {
     throw_torch_error(std::make_exception_ptr(
-        Error(Errc::kTimeout, std::string("commux ") + task_->op_name + ": not complete after " +
-                                  std::to_string(limit.count()) + " ms (" + where_ +
-                                  "); the operation is still in flight")));
+        Error(Errc::kTimeout, ErrorSite{task_->op_name, {}, task_->tag, {}, {}},
+              "not complete after " + std::to_string(limit.count()) + " ms (" + where_ +
+                  "); the operation is still in flight")));
   }
   if (task_->error) std::rethrow_exception(task_->error);
   return true;
@@ -180,10 +180,9 @@ bool P2PWork::poll_future() {
     if (f && Clock::now() < posted_ + default_timeout_) return false;
     if (f && !f->completed()) {
       f->setError(to_torch_error(std::make_exception_ptr(Error(
-          Errc::kTimeout, std::string("commux ") + p2p_name(retrieveOpType()) +
-                              ": the future timed out after " +
-                              std::to_string(default_timeout_.count()) +
-                              " ms; the operation is still posted"))));
+          Errc::kTimeout, ErrorSite{p2p_name(retrieveOpType()), {}, {}, {}, {}},
+          "the future timed out after " + std::to_string(default_timeout_.count()) + " ms",
+          /*still_posted=*/true))));
     }
     return true;
   }
