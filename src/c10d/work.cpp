@@ -9,27 +9,6 @@
 
 namespace commux::c10d_detail {
 
-std::exception_ptr to_torch_error(std::exception_ptr e) {
-  if (!e) return e;
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& err) {
-    const std::string msg = err.what();
-    try {
-      if (err.code() == Errc::kInvalidArgument || err.code() == Errc::kUnsupported) {
-        C10_THROW_ERROR(ValueError, msg);
-      }
-      C10_THROW_ERROR(DistBackendError, msg);
-    } catch (...) {
-      return std::current_exception();
-    }
-  } catch (...) {
-    return e;
-  }
-}
-
-void throw_torch_error(std::exception_ptr e) { std::rethrow_exception(to_torch_error(e)); }
-
 c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future() {
   return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
 }
