@@ -91,8 +91,13 @@ def test_cmake_consumer_finds_the_package_config(tmp_path):
         pytest.fail("no cmake found (the build environment installs it)")
     std = "20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 14) else "17"
     build = str(tmp_path / "build")
-    subprocess.run([cmake, "-S", os.path.join(HERE, "cpp"), "-B", build, f"-DCMAKE_PREFIX_PATH={pkg}",
-                    f"-DCMAKE_CXX_STANDARD={std}", "-DCMAKE_BUILD_TYPE=Release"],
-                   check=True, timeout=300)
+    args = [cmake, "-S", os.path.join(HERE, "cpp"), "-B", build, f"-DCMAKE_PREFIX_PATH={pkg}",
+            f"-DCMAKE_CXX_STANDARD={std}", "-DCMAKE_BUILD_TYPE=Release"]
+    torch_dir = os.path.dirname(torch.__file__)
+    if not os.path.samefile(os.path.dirname(pkg), os.path.dirname(torch_dir)):
+        # commux installed apart from torch (pip install --target): the config's default, the
+        # torch next to commux, is not there; say where it is
+        args.append(f"-DCOMMUX_TORCH_DIR={torch_dir}")
+    subprocess.run(args, check=True, timeout=300)
     subprocess.run([cmake, "--build", build, "-j2"], check=True, timeout=900)
     _run_ranks(os.path.join(build, "consumer"), tmp_path)
