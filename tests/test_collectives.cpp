@@ -891,6 +891,14 @@ void never_joins(bool exits, std::size_t count) {
     } catch (const Error& e) {
       msg = e.what();
       code = e.code();
+      // The collective names itself, keeps the failed request's peer and tag, and is not posted
+      // any more (it cancelled its requests): neither the field nor the note says otherwise.
+      CX_CHECK(e.op() == "allreduce");
+      CX_CHECK(e.peer().has_value());
+      CX_CHECK(e.tag().has_value());
+      CX_CHECK(!e.still_posted());
+      CX_CHECK(e.group() == std::to_string(c.options().group));
+      CX_CHECK(msg.find("still posted") == std::string::npos);
     }
     const double took = std::chrono::duration<double>(Clock::now() - t0).count();
     std::fprintf(stderr, "[rank %d] after %.2f s (%s): %s\n", c.rank(), took, errc_name(code), msg.c_str());

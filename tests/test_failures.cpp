@@ -83,6 +83,20 @@ TEST(Failures, TimeoutThenCancel) {
       CX_CHECK_HAS(msg, "peer 0");
       CX_CHECK_HAS(msg, "tag 77");
       CX_CHECK_HAS(msg, "1024 bytes");
+      CX_CHECK_HAS(msg, "; the operation is still posted: wait again or cancel it");
+      // The same as fields: the operation is still posted, and what it is.
+      try {
+        r.wait(std::chrono::milliseconds(10));
+        check_failed(__FILE__, __LINE__, "a second wait returned");
+      } catch (const Error& e) {
+        CX_CHECK(e.code() == Errc::kTimeout);
+        CX_CHECK(e.still_posted());
+        CX_CHECK(e.op() == "irecv");
+        CX_CHECK(e.peer() == 0);
+        CX_CHECK(e.tag() == std::uint64_t{77});
+        CX_CHECK(e.bytes() == std::size_t{1024});
+        CX_CHECK(e.group() == std::to_string(c.options().group));
+      }
       CX_CHECK(!r.test());
       r.cancel();
       CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { r.wait(std::chrono::seconds(5)); }), "irecv");

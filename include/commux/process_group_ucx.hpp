@@ -75,7 +75,8 @@ class ProcessGroupUCX : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
 
-  // Point-to-point: tags are honoured exactly (0 .. 2^32-1).
+  // Point-to-point: tags are honoured exactly. torch passes them as int, so they are 0 .. 2^31-1
+  // here (a negative tag is refused); the core Communicator takes user tags up to 2^32-1.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,

@@ -307,3 +307,20 @@ def test_group_usable_and_exits_after_invalid_input():
     outs, closed = invalid_run()
     assert all(o.ok for o in outs), _describe(outs)
     assert_all_exited(closed)
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_input_names_the_group(case):
+    """Every validation error names the group whose call it rejects (its name, rank and size)."""
+    if BACKEND == "gloo":
+        pytest.skip("gloo's messages are its own")
+    outs, _ = invalid_run()
+    assert all(o.ok for o in outs), _describe(outs)
+    problems = []
+    for o in outs:
+        r = o.value.get(case)
+        if r is None or not r.get("raised"):
+            continue  # not called on this rank, or test_invalid_input_raises_clearly reports it
+        if "group '" not in r["msg"] or f"rank {o.rank} of {WORLD_INVALID}" not in r["msg"]:
+            problems.append(f"rank {o.rank}: the group is not named: {r['type']}: {r['msg']!r}")
+    assert not problems, f"{case}:\n" + "\n".join(problems)

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "commux/error.hpp"
+#include "errors.hpp"
 
 #ifndef COMMUX_DEVICE_TENSORS
 #define COMMUX_DEVICE_TENSORS 1
@@ -19,10 +20,6 @@
 namespace commux::c10d_detail {
 
 namespace {
-
-[[noreturn]] void invalid(const char* op, const std::string& what) {
-  C10_THROW_ERROR(ValueError, std::string("commux ") + op + ": " + what);
-}
 
 struct UcxMemoryTypes {
   std::mutex mu;

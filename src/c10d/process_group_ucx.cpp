@@ -18,6 +18,7 @@
 #include "commux/settings.hpp"
 #include "../core/channel.hpp"
 #include "device.hpp"
+#include "errors.hpp"
 #include "torch_compat.hpp"
 #include "work.hpp"
 
@@ -32,6 +33,7 @@ using c10d_detail::on_device;
 using c10d_detail::P2PWork;
 using c10d_detail::StreamFence;
 using c10d_detail::Task;
+using c10d_detail::invalid;
 
 namespace {
 
@@ -61,10 +63,6 @@ class C10dStore final : public Store {
  private:
   c10::intrusive_ptr<c10d::Store> store_;
 };
-
-[[noreturn]] void invalid(const char* op, const std::string& what) {
-  C10_THROW_ERROR(ValueError, std::string("commux ") + op + ": " + what);
-}
 
 DataType to_dtype(const char* op, at::ScalarType s) {
   switch (s) {
@@ -140,7 +138,7 @@ Reduction to_reduction(const char* op, const c10d::ReduceOp& r, at::ScalarType s
   try {
     check_reduction(op, t, out.op);
   } catch (const Error& e) {
-    C10_THROW_ERROR(ValueError, e.what());
+    c10d_detail::invalid_message(e.what());
   }
   return out;
 }
@@ -422,7 +420,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::enqueue(c10d::OpType type, const
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) {
-      invalid(op_name, "the process group (" + where() + ") has been shut down");
+      invalid(op_name, "the process group has been shut down");
     }
     t->tag = next_tag_;
     next_tag_ += ntags;
@@ -480,11 +478,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::post_p2p(c10d::OpType type, cons
   if (tensors.empty()) invalid(op_name, "needs at least one tensor");
   if (peer != kAnySource && (peer < 0 || peer >= getSize())) {
     invalid(op_name, std::string(is_send ? "destination" : "source") + " rank " +
-                         std::to_string(peer) + " is outside the group (" + where() + ")");
+                         std::to_string(peer) + " is outside the group");
   }
   if (tag < 0) {
-    invalid(op_name, "tag " + std::to_string(tag) + " is negative; tags are 0 .. 2^31-1 (" +
-                         where() + ")");
+    invalid(op_name, "tag " + std::to_string(tag) + " is negative; tags are 0 .. 2^31-1");
   }
   for (const auto& t : tensors) check_tensor(op_name, t);
   if (defer_in_window_ && open_windows_.load(std::memory_order_acquire) > 0) {
@@ -542,22 +539,26 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                     int tag) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::SEND, "send", tensors, dstRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                     int tag) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::RECV, "recv", tensors, srcRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recvAnysource(std::vector<at::Tensor>& tensors,
                                                              int tag) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::RECVANYSOURCE, "recvAnysource", tensors, kAnySource, tag);
 }
 
 // --- coalescing window -------------------------------------------------------------------------
 
 void ProcessGroupUCX::startCoalescing() {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   const auto me = std::this_thread::get_id();
   for (auto& w : windows_) {
@@ -568,6 +569,7 @@ void ProcessGroupUCX::startCoalescing() {
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   Window win;
   {
     std::lock_guard<std::mutex> lk(coalesce_mu_);
@@ -598,6 +600,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
 // --- collectives --------------------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return enqueue(c10d::OpType::BARRIER, "barrier", opts.timeout, {}, {},
                  [this](std::uint32_t tag, Clock::time_point dl) {
                    coll::barrier(context("barrier", tag, dl, at::Tensor()));
@@ -606,6 +609,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptio
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor>& tensors,
                                                          const c10d::BroadcastOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const at::Tensor t = single("broadcast", tensors);
   check_root("broadcast", opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
@@ -617,6 +621,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("allreduce", tensors);
   const Reduction r = to_reduction("allreduce", opts.reduceOp, t.scalar_type());
   const DataType dt = to_dtype("allreduce", t.scalar_type());
@@ -631,6 +636,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allreduce_coalesced";
   if (tensors.empty()) invalid(op, "needs at least one tensor");
   for (auto& t : tensors) {
@@ -661,6 +667,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::ReduceOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("reduce", tensors);
   check_root("reduce", opts.rootRank, getSize());
   const Reduction r = to_reduction("reduce", opts.reduceOp, t.scalar_type());
@@ -682,6 +689,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allgather";
   const at::Tensor in = single(op, inputs);
   if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(getSize())) {
@@ -704,6 +712,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::AllgatherOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "_allgather_base";
   check_blocks(op, input, "input", output, "output", getSize());
   at::Tensor in = input, out = output;
@@ -716,6 +725,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allgather_coalesced";
   if (outputs.size() != static_cast<std::size_t>(getSize())) {
     invalid(op, "expects " + std::to_string(getSize()) + " output lists, got " +
@@ -752,6 +762,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allgather_into_tensor_coalesced";
   if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -777,6 +788,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::GatherOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "gather";
   const at::Tensor in = single(op, inputs);
   check_root(op, opts.rootRank, getSize());
@@ -800,6 +812,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<a
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(std::vector<at::Tensor>& outputs,
                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                        const c10d::ScatterOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "scatter";
   const at::Tensor out = single(op, outputs);
   check_root(op, opts.rootRank, getSize());
@@ -834,6 +847,7 @@ void run_reduce_scatter(const coll::Context& ctx, at::Tensor in, at::Tensor out,
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "reduce_scatter";
   const at::Tensor out = single(op, outputs);
   if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(getSize())) {
@@ -853,6 +867,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "_reduce_scatter_base";
   check_blocks(op, output, "output", input, "input", getSize());
   const Reduction r = to_reduction(op, opts.reduceOp, output.scalar_type());
@@ -869,6 +884,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "reduce_scatter_tensor_coalesced";
   if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
   std::vector<Reduction> rs;
@@ -939,6 +955,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output
                                                              std::vector<int64_t>& outputSplitSizes,
                                                              std::vector<int64_t>& inputSplitSizes,
                                                              const c10d::AllToAllOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "alltoall_base";
   check_tensor(op, input, "input");
   check_tensor(op, output, "output");
@@ -958,6 +975,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>& outputs,
                                                         std::vector<at::Tensor>& inputs,
                                                         const c10d::AllToAllOptions& opts) {
+  const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "alltoall";
   const auto n = static_cast<std::size_t>(getSize());
   if (inputs.size() != n || outputs.size() != n) {

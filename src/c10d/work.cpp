@@ -9,27 +9,6 @@
 
 namespace commux::c10d_detail {
 
-std::exception_ptr to_torch_error(std::exception_ptr e) {
-  if (!e) return e;
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& err) {
-    const std::string msg = err.what();
-    try {
-      if (err.code() == Errc::kInvalidArgument || err.code() == Errc::kUnsupported) {
-        C10_THROW_ERROR(ValueError, msg);
-      }
-      C10_THROW_ERROR(DistBackendError, msg);
-    } catch (...) {
-      return std::current_exception();
-    }
-  } catch (...) {
-    return e;
-  }
-}
-
-void throw_torch_error(std::exception_ptr e) { std::rethrow_exception(to_torch_error(e)); }
-
 c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future() {
   return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
 }
@@ -92,9 +71,9 @@ bool CollWork::wait(std::chrono::milliseconds timeout) {
                          [&] { return task_->done; });
   if (!finished) {
     throw_torch_error(std::make_exception_ptr(
-        Error(Errc::kTimeout, std::string("commux ") + task_->op_name + ": not complete after " +
-                                  std::to_string(limit.count()) + " ms (" + where_ +
-                                  "); the operation is still in flight")));
+        Error(Errc::kTimeout, ErrorSite{task_->op_name, {}, task_->tag, {}, {}},
+              "not complete after " + std::to_string(limit.count()) + " ms (" + where_ +
+                  "); the operation is still in flight")));
   }
   if (task_->error) std::rethrow_exception(task_->error);
   return true;
@@ -180,10 +159,9 @@ bool P2PWork::poll_future() {
     if (f && Clock::now() < posted_ + default_timeout_) return false;
     if (f && !f->completed()) {
       f->setError(to_torch_error(std::make_exception_ptr(Error(
-          Errc::kTimeout, std::string("commux ") + p2p_name(retrieveOpType()) +
-                              ": the future timed out after " +
-                              std::to_string(default_timeout_.count()) +
-                              " ms; the operation is still posted"))));
+          Errc::kTimeout, ErrorSite{p2p_name(retrieveOpType()), {}, {}, {}, {}},
+          "the future timed out after " + std::to_string(default_timeout_.count()) + " ms",
+          /*still_posted=*/true))));
     }
     return true;
   }

@@ -25,6 +25,7 @@
 
 #include "commux/communicator.hpp"
 #include "device.hpp"
+#include "errors.hpp"
 
 namespace commux {
 class ProcessGroupUCX;
@@ -32,11 +33,6 @@ class ProcessGroupUCX;
 namespace c10d_detail {
 
 using Clock = std::chrono::steady_clock;
-
-// Converts a commux::Error (or anything else) into the exception torch users expect:
-// invalid input -> c10::ValueError (Python ValueError), the rest -> c10::DistBackendError.
-std::exception_ptr to_torch_error(std::exception_ptr e);
-[[noreturn]] void throw_torch_error(std::exception_ptr e);
 
 c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future();
 

@@ -96,6 +96,10 @@ struct Algorithm {
   const char* name;
   bool (*accepts)(int n, const A& a);  // nullptr: accepts everything
   void (*run)(Exchange& ex, const A& a);
+  // Rooted reductions (ReduceArgs): true when run() only reads the buffer of a rank other than
+  // the root. Otherwise the entry point hands such a rank a scratch copy, since the caller's
+  // non-root buffer is input only (reduce.cpp).
+  bool keeps_nonroot_buffer = false;
 };
 
 template <class A>

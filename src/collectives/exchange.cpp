@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <string>
+#include <utility>
 
 namespace commux::coll::detail {
 
@@ -84,18 +86,6 @@ void reap_parked() {
 
 const char* op_or_default(const char* op) { return op != nullptr && *op != '\0' ? op : "collective"; }
 
-// "commux recv: timed out ... ; the operation is still posted: wait again or cancel it" ->
-// "recv: timed out ..." (the collective cancels it, and adds its own prefix).
-std::string inner_message(const char* what) {
-  std::string s = what;
-  const std::string prefix = "commux ";
-  if (s.compare(0, prefix.size(), prefix) == 0) s.erase(0, prefix.size());
-  const std::string tail = "; the operation is still posted: wait again or cancel it";
-  const auto at = s.rfind(tail);
-  if (at != std::string::npos && at + tail.size() == s.size()) s.erase(at);
-  return s;
-}
-
 }  // namespace
 
 Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
@@ -126,7 +116,7 @@ Exchange::~Exchange() {
 }
 
 void Exchange::invalid(const Context& ctx, const std::string& what) {
-  throw Error(Errc::kInvalidArgument, std::string("commux ") + op_or_default(ctx.op_name) + ": " + what);
+  throw Error(Errc::kInvalidArgument, ErrorSite{op_or_default(ctx.op_name), {}, {}, {}, {}}, what);
 }
 
 std::chrono::milliseconds Exchange::remaining() const {
@@ -226,18 +216,24 @@ std::string Exchange::cleanup_note() const {
 
 void Exchange::fail(Errc code, const std::string& what) {
   abort();
-  std::string msg = std::string("commux ") + ctx_.op_name + ": " + what;
+  std::string msg = what;
   if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
-  throw Error(code, msg + cleanup_note());
+  throw Error(code, ErrorSite{ctx_.op_name, {}, {}, {}, std::to_string(chan_->options().group)},
+              msg + cleanup_note());
 }
 
 void Exchange::rethrow(const Error& e) {
   abort();
-  std::string msg = std::string("commux ") + ctx_.op_name + ": " + inner_message(e.what());
+  // The collective names itself around the failed send or receive ("commux allreduce: recv:
+  // timed out ..."), keeps its peer, tag, bytes and group, and is no longer posted: abort()
+  // cancelled what was outstanding (cleanup_note() says what did not finish even then).
+  ErrorSite site = e.site();
+  site.op = ctx_.op_name;
+  std::string msg = e.describe();
   if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
   if (e.code() == Errc::kTimeout && stuck_ == 0) msg += "; the collective's requests were cancelled";
   if (e.code() == Errc::kTruncated) msg += "; the ranks' sizes disagree";
-  throw Error(e.code(), msg + cleanup_note());
+  throw Error(e.code(), std::move(site), msg + cleanup_note());
 }
 
 void Exchange::abort() noexcept {

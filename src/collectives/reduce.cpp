@@ -20,8 +20,8 @@ void reduce(const Context& ctx, void* buf, std::size_t count, DataType t, Reduce
   if (n == 1 || count == 0) return;
   detail::WorkStage host(ex, buf, bytes, true);
   a.buf = host.data();
-  // A non-root's buffer is only read: the binomial tree never writes it, the others get a copy.
-  if (ex.rank() != root && &algo != &detail::algo::reduce_binomial && a.buf == buf) {
+  // A non-root's buffer is only read: an algorithm that would write it gets a copy.
+  if (ex.rank() != root && !algo.keeps_nonroot_buffer && a.buf == buf) {
     char* copy = ex.scratch(bytes);
     ex.copy(copy, ex.work_mem(), a.buf, ex.work_mem(), bytes);
     a.buf = copy;

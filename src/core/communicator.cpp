@@ -44,7 +44,7 @@ Options Options::from_env() {
 
 namespace {
 void require(const std::shared_ptr<detail::RequestState>& state) {
-  if (!state) throw Error(Errc::kInvalidArgument, "commux request: empty Request");
+  if (!state) throw Error(Errc::kInvalidArgument, ErrorSite{"request", {}, {}, {}, {}}, "empty Request");
 }
 }  // namespace
 
@@ -63,8 +63,8 @@ void Request::wait(std::chrono::milliseconds timeout) {
   try {
     state_->wait_for(timeout);
   } catch (const Error& e) {
-    throw Error(e.code(), std::string(e.what()) +
-                              "; the operation is still posted: wait again or cancel it");
+    // Only a timeout leaves the operation posted (a failure is the outcome, read below).
+    throw e.with_still_posted(true);
   }
   if (auto error = state_->failure()) std::rethrow_exception(error);
 }
@@ -173,12 +173,12 @@ void Communicator::wait_or_cancel(Request& r) {
     try {
       op.wait_for(options().shutdown_timeout);
     } catch (const Error&) {
-      throw Error(Errc::kTimeout, std::string(timeout.what()) +
-                                      "; cancelling it did not finish either, so its buffers "
-                                      "must stay alive until the communicator is shut down");
+      throw Error(Errc::kTimeout, timeout.site(),
+                  timeout.reason() + "; cancelling it did not finish either, so its buffers "
+                                     "must stay alive until the communicator is shut down");
     }
     if (op.failure() != nullptr) {
-      throw Error(Errc::kTimeout, std::string(timeout.what()) + "; the operation was cancelled");
+      throw Error(Errc::kTimeout, timeout.site(), timeout.reason() + "; the operation was cancelled");
     }
     // It matched while being cancelled: a success after all.
   }

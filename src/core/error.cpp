@@ -2,6 +2,8 @@
 
 #include "status.hpp"
 
+#include <utility>
+
 namespace commux {
 
 const char* errc_name(Errc code) noexcept {
@@ -16,6 +18,27 @@ const char* errc_name(Errc code) noexcept {
     case Errc::kTransport: return "transport error";
   }
   return "unknown";
+}
+
+std::string Error::compose(const ErrorSite& site, const std::string& reason, bool still_posted) {
+  std::string s = site.op.empty() ? reason : "commux " + site.op + ": " + reason;
+  if (still_posted) s += kStillPostedNote;
+  return s;
+}
+
+Error::Error(Errc code, ErrorSite site, std::string reason, bool still_posted)
+    : std::runtime_error(compose(site, reason, still_posted)),
+      code_(code),
+      site_(std::move(site)),
+      reason_(std::move(reason)),
+      still_posted_(still_posted) {}
+
+std::string Error::describe() const {
+  return site_.op.empty() ? reason_ : site_.op + ": " + reason_;
+}
+
+Error Error::with_still_posted(bool posted) const {
+  return Error(code_, site_, reason_, posted);
 }
 
 namespace detail {
@@ -42,6 +65,13 @@ Error error_from_status(ucs_status_t status, const std::string& what) {
   return Error(errc_from_status(status),
                "commux " + what + ": " + ucs_status_string(status) + " (UCX status " +
                    std::to_string(static_cast<int>(status)) + ")");
+}
+
+Error error_from_status(ucs_status_t status, ErrorSite site, const std::string& context) {
+  std::string reason = std::string(ucs_status_string(status)) + " (UCX status " +
+                       std::to_string(static_cast<int>(status)) + ")";
+  if (!context.empty()) reason = context + ": " + reason;
+  return Error(errc_from_status(status), std::move(site), std::move(reason));
 }
 
 void check_status(ucs_status_t status, const std::string& what) {

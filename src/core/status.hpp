@@ -14,6 +14,8 @@ Errc errc_from_status(ucs_status_t status) noexcept;
 
 // "commux <what>: <UCX's status string> (<UCX status name>)" as a commux::Error.
 Error error_from_status(ucs_status_t status, const std::string& what);
+// The same with the fields of `site`: "commux <site.op>: [<context>: ]<UCX's status string> (...)".
+Error error_from_status(ucs_status_t status, ErrorSite site, const std::string& context);
 
 // Throws error_from_status(status, what) unless status is UCS_OK (or UCS_INPROGRESS).
 void check_status(ucs_status_t status, const std::string& what);
