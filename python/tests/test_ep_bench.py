@@ -362,7 +362,8 @@ def test_back_to_back_ab_runs_and_checks_every_round_trip():
     """bench/experiments/ep_ab.py (the same-run A/B without barriers) finishes, prints its table and finds
     every round trip equal to the rank sum."""
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "experiments", "ep_ab.py"), "--rounds", "1", "--iters", "2",
+    script = os.path.join(ROOT, "bench", "experiments", "ep_ab.py")
+    p = subprocess.run([sys.executable, script, "--rounds", "1", "--iters", "2",
                         "--tokens", "0,3", "--ll", "--timeout", "100"],
                        capture_output=True, text=True, timeout=150, env=env)
     out = p.stdout + p.stderr
