@@ -37,23 +37,7 @@ def _compile(out):
 def test_cpp_program_uses_process_group_ucx(tmp_path):
     exe = str(tmp_path / "consumer")
     _compile(exe)
-    size = 3
-    store = str(tmp_path / "store")
-    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-    procs = [subprocess.Popen([exe, str(r), str(size), store], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(size)]
-    outs = []
-    for r, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"C++ consumer rank {r} hung")
-        outs.append(out)
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out}"
-    for r in range(size):
-        assert f"rank {r}: consumer OK" in outs[r]
+    _run_ranks(exe, tmp_path)
 
 
 def _run_ranks(exe, tmp_path, size=3):

@@ -38,7 +38,7 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_ATEN_REDUCE", "bool", "off", kPerComm,
        "the torch backend's CPU collectives run through the device path's code (scratch, copies and "
        "reductions by ATen) instead of commux's own kernels; a check of that code without a GPU, "
-       "1.03-1.35x slower here (`bench/experiments/aten_reduce_ab.py`)"},
+       "1.03-1.35x slower here (bench/experiments/aten_reduce_ab.py)"},
       {"COMMUX_ALGO_ALLREDUCE", "name", "auto", kOnce,
        "forces the allreduce algorithm (see docs/collectives.md); auto: the selector chooses"},
       {"COMMUX_ALGO_BROADCAST", "name", "auto", kOnce, "forces the broadcast algorithm"},
