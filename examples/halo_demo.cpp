@@ -384,7 +384,7 @@ class HaloExchange {
   struct Side {
     Dir dir = Dir::kNorth;  // where the neighbour is
     int peer = -1;
-    int cells = 0;          // halo length
+    int cells = 0;  // halo length
     HaloHeader send_header, recv_header;
     std::vector<double> send_packed, recv_packed;  // east / west columns only
   };
@@ -473,11 +473,11 @@ double collect_residuals(commux::Communicator& comm, double local, int iteration
     const int src = r.source();
     if (src < 1 || src >= n || seen[static_cast<std::size_t>(src)] || m.rank != src ||
         m.iteration != iteration) {
-      fail("residual at iteration " + std::to_string(iteration) + ": receive " +
-           std::to_string(i) + " reports source " + std::to_string(src) + " and carries rank " +
+      fail("residual at iteration " + std::to_string(iteration) + ": receive " + std::to_string(i) +
+           " reports source " + std::to_string(src) + " and carries rank " +
            std::to_string(m.rank) + ", iteration " + std::to_string(m.iteration) +
            (src >= 1 && src < n && seen[static_cast<std::size_t>(src)] ? " (source seen twice)"
-                                                                        : ""));
+                                                                       : ""));
     }
     seen[static_cast<std::size_t>(src)] = true;
     global = std::max(global, m.value);
@@ -721,8 +721,8 @@ void wait_for(std::vector<Child>& children, const Config& c) {
       "still running after the " + std::to_string(c.timeout_s) + " s timeout (killed)";
   bool failure_seen = false;
   bool killed = false;
-  auto running = std::count_if(children.begin(), children.end(),
-                               [](const Child& ch) { return ch.running; });
+  auto running =
+      std::count_if(children.begin(), children.end(), [](const Child& ch) { return ch.running; });
   while (running > 0) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
@@ -732,13 +732,13 @@ void wait_for(std::vector<Child>& children, const Config& c) {
       ch->running = false;
       --running;
       if (WIFEXITED(status) && WEXITSTATUS(status) == kExitOk) {
-        ch->outcome.clear();  // it finished before a kill could reach it
+        ch->outcome.clear();             // it finished before a kill could reach it
       } else if (ch->outcome.empty()) {  // not killed by us
         ch->outcome = describe_status(status);
         if (!failure_seen && Clock::now() + kGrace < kill_at) {
           kill_at = Clock::now() + kGrace;
-          kill_reason = "killed: still running 2 s after rank " + std::to_string(ch->rank) +
-                        " failed";
+          kill_reason =
+              "killed: still running 2 s after rank " + std::to_string(ch->rank) + " failed";
         }
         failure_seen = true;
       }
@@ -754,8 +754,8 @@ void wait_for(std::vector<Child>& children, const Config& c) {
 
 std::string make_store_dir() {
   const char* tmp = std::getenv("TMPDIR");
-  std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
-                     "/commux-halo-XXXXXX";
+  std::string tmpl =
+      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/commux-halo-XXXXXX";
   if (::mkdtemp(tmpl.data()) == nullptr) {
     std::perror("halo_demo: mkdtemp");
     std::exit(kExitFailed);

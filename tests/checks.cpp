@@ -31,8 +31,8 @@ std::string expect_error(Errc code, const std::function<void()>& fn) {
     }
     return e.what();
   }
-  check_failed(__FILE__, __LINE__, std::string("expected error '") + errc_name(code) +
-                                       "' but nothing was thrown");
+  check_failed(__FILE__, __LINE__,
+               std::string("expected error '") + errc_name(code) + "' but nothing was thrown");
 }
 
 std::vector<unsigned char> filled(std::uint64_t id, std::size_t n) {
@@ -93,7 +93,9 @@ Msg::Msg(Space& space, std::vector<unsigned char> contents)
 }
 
 Msg::Msg(Msg&& other) noexcept
-    : space_(other.space_), host_(std::move(other.host_)), mem_(std::exchange(other.mem_, nullptr)) {}
+    : space_(other.space_),
+      host_(std::move(other.host_)),
+      mem_(std::exchange(other.mem_, nullptr)) {}
 
 Msg& Msg::operator=(Msg&& other) noexcept {
   if (this != &other) {
@@ -136,7 +138,8 @@ std::vector<unsigned char> zeros(std::size_t n) { return std::vector<unsigned ch
 
 void check_all_pairs_in(Communicator& c, Space& s) {
   const int me = c.rank(), size = c.size();
-  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1001}, std::size_t{1} << 20}) {
+  for (std::size_t count :
+       {std::size_t{0}, std::size_t{1}, std::size_t{1001}, std::size_t{1} << 20}) {
     std::vector<Msg> out(size), in(size);
     std::vector<Request> recvs, sends;
     for (int p = 0; p < size; ++p) {

@@ -76,7 +76,9 @@ void check_multi_buffer_in(Communicator& c, Space& space);
 
 // The same in host memory (what the GoogleTest suites run).
 inline void check_all_pairs(Communicator& c) { check_all_pairs_in(c, host_space()); }
-inline void check_out_of_order_tags(Communicator& c) { check_out_of_order_tags_in(c, host_space()); }
+inline void check_out_of_order_tags(Communicator& c) {
+  check_out_of_order_tags_in(c, host_space());
+}
 inline void check_same_tag_order(Communicator& c) { check_same_tag_order_in(c, host_space()); }
 inline void check_any_source(Communicator& c) { check_any_source_in(c, host_space()); }
 inline void check_multi_buffer(Communicator& c) { check_multi_buffer_in(c, host_space()); }

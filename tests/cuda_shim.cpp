@@ -37,7 +37,8 @@ struct CudaRuntime::Api {
 
   std::string error(cudaError err) const {
     const char* s = GetErrorString != nullptr ? GetErrorString(err) : nullptr;
-    return std::string(s != nullptr ? s : "unknown error") + " (cudaError " + std::to_string(err) + ")";
+    return std::string(s != nullptr ? s : "unknown error") + " (cudaError " + std::to_string(err) +
+           ")";
   }
 };
 

@@ -32,14 +32,14 @@ class CudaRuntime {
   int device() const { return device_; }
   int device_count() const { return count_; }
 
-  void* alloc(std::size_t bytes);    // cudaMalloc
-  void release(void* p) noexcept;    // cudaFree; reports a failure on stderr (runs in destructors)
+  void* alloc(std::size_t bytes);  // cudaMalloc
+  void release(void* p) noexcept;  // cudaFree; reports a failure on stderr (runs in destructors)
   // cudaMemcpy host to device / device to host. Both return with the bytes in place (device work
   // of every stream is synchronized first / after as needed).
   void to_device(void* dst, const void* src, std::size_t bytes);
   void to_host(void* dst, const void* src, std::size_t bytes);
   void fill(void* dst, int value, std::size_t bytes);  // cudaMemset, then synchronized
-  void synchronize();                                   // cudaDeviceSynchronize
+  void synchronize();                                  // cudaDeviceSynchronize
 
   struct Api;  // the runtime's functions (cuda_shim.cpp)
 

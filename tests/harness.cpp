@@ -42,7 +42,8 @@ std::string describe_status(int status) {
 TempDir::TempDir(const char* prefix) {
   std::string tmpl = std::string("/tmp/") + prefix + "-XXXXXX";
   const char* d = ::mkdtemp(tmpl.data());
-  if (d == nullptr) throw std::runtime_error("mkdtemp " + tmpl + " failed: " + std::strerror(errno));
+  if (d == nullptr)
+    throw std::runtime_error("mkdtemp " + tmpl + " failed: " + std::strerror(errno));
   path_ = d;
 }
 
@@ -78,8 +79,7 @@ void run_procs(int size, const std::function<void(int, int, const std::string&)>
     }
     pids.push_back(pid);
   }
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(opts.timeout_s + 5);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(opts.timeout_s + 5);
   std::vector<int> status(pids.size(), -1);
   std::size_t left = pids.size();
   while (left > 0) {

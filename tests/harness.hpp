@@ -45,9 +45,9 @@ class TempDir {
 };
 
 struct RunOptions {
-  int timeout_s = 60;                // per-child watchdog; the parent allows a few seconds more
-  std::set<int> expect_killed;       // ranks that must die by SIGKILL (any exit is a failure)
-  Options comm = default_test_options();  // options for the Communicator each rank builds
+  int timeout_s = 60;           // per-child watchdog; the parent allows a few seconds more
+  std::set<int> expect_killed;  // ranks that must die by SIGKILL (any exit is a failure)
+  Options comm = default_test_options();           // options for the Communicator each rank builds
   std::function<Options(int rank)> comm_for_rank;  // overrides `comm` when set
 };
 
@@ -63,20 +63,20 @@ void run_procs(int size, const std::function<void(int, int, const std::string&)>
 // check_failed and expect_error are defined in checks.cpp, which builds without GoogleTest.
 [[noreturn]] void check_failed(const char* file, int line, const std::string& what);
 
-#define CX_CHECK(cond)                                                          \
-  do {                                                                          \
+#define CX_CHECK(cond)                                                                 \
+  do {                                                                                 \
     if (!(cond)) ::commux::test::check_failed(__FILE__, __LINE__, "CHECK(" #cond ")"); \
   } while (0)
 
-#define CX_CHECK_EQ(a, b)                                                              \
-  do {                                                                                 \
-    const auto& cx_a_ = (a);                                                           \
-    const auto& cx_b_ = (b);                                                           \
-    if (!(cx_a_ == cx_b_)) {                                                           \
-      std::ostringstream cx_os_;                                                       \
-      cx_os_ << "CHECK_EQ(" #a ", " #b ") with " << cx_a_ << " != " << cx_b_;          \
-      ::commux::test::check_failed(__FILE__, __LINE__, cx_os_.str());                  \
-    }                                                                                  \
+#define CX_CHECK_EQ(a, b)                                                     \
+  do {                                                                        \
+    const auto& cx_a_ = (a);                                                  \
+    const auto& cx_b_ = (b);                                                  \
+    if (!(cx_a_ == cx_b_)) {                                                  \
+      std::ostringstream cx_os_;                                              \
+      cx_os_ << "CHECK_EQ(" #a ", " #b ") with " << cx_a_ << " != " << cx_b_; \
+      ::commux::test::check_failed(__FILE__, __LINE__, cx_os_.str());         \
+    }                                                                         \
   } while (0)
 
 // Runs fn, which must throw commux::Error with `code`; returns the message.
@@ -85,7 +85,7 @@ std::string expect_error(Errc code, const std::function<void()>& fn);
 // Contains-check for messages.
 #define CX_CHECK_HAS(msg, part)                                                              \
   do {                                                                                       \
-    if (std::string(msg).find(part) == std::string::npos)                                     \
+    if (std::string(msg).find(part) == std::string::npos)                                    \
       ::commux::test::check_failed(__FILE__, __LINE__,                                       \
                                    std::string("message lacks '") + (part) + "': " + (msg)); \
   } while (0)

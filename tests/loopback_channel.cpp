@@ -59,9 +59,9 @@ class LoopbackWorld::Chan final : public detail::Channel {
                TagKind kind, std::uint32_t tag, bool /*fast_completion*/) override {
     const bool any_ok = dir == Direction::kRecv && peer == kAnySource;
     if (!any_ok && (peer < 0 || peer >= w_->n_)) {
-      throw Error(Errc::kInvalidArgument, std::string("commux ") + name + ": peer " +
-                                              std::to_string(peer) + " is not a rank of a world of " +
-                                              std::to_string(w_->n_));
+      throw Error(Errc::kInvalidArgument,
+                  std::string("commux ") + name + ": peer " + std::to_string(peer) +
+                      " is not a rank of a world of " + std::to_string(w_->n_));
     }
     if (count > 0 && buffers == nullptr) {
       throw Error(Errc::kInvalidArgument, std::string("commux ") + name + ": no buffers given");
@@ -86,7 +86,8 @@ class LoopbackWorld::Chan final : public detail::Channel {
     {
       std::lock_guard<std::mutex> g(w_->mu_);
       if (shut_) {
-        throw Error(Errc::kCanceled, std::string("commux ") + name + ": the communicator is shut down");
+        throw Error(Errc::kCanceled,
+                    std::string("commux ") + name + ": the communicator is shut down");
       }
       w_->trace_[static_cast<std::size_t>(rank_)].push_back(
           TraceEvent{TraceEvent::Kind::kPost, dir, peer, kind, tag, op->capacity});
@@ -127,7 +128,8 @@ class LoopbackWorld::Chan final : public detail::Channel {
 
 LoopbackWorld::LoopbackWorld(int n, LoopMode mode, Options options)
     : n_(n), mode_(mode), options_(std::move(options)) {
-  if (n < 1) throw Error(Errc::kInvalidArgument, "commux loopback: world size " + std::to_string(n));
+  if (n < 1)
+    throw Error(Errc::kInvalidArgument, "commux loopback: world size " + std::to_string(n));
   info_.ucx_version = "none (loopback)";
   info_.transports = {"loopback"};
   info_.memory_types = {"host"};
@@ -239,12 +241,13 @@ void LoopbackWorld::deliver_locked(Op& send, Op& recv) {
   const std::size_t bytes = send.capacity;
   recv.sender = send.rank;
   if (bytes > recv.capacity) {
-    finish_locked(recv, std::make_exception_ptr(Error(
-                            Errc::kTruncated,
-                            std::string("commux ") + recv.name + ": message from peer " +
-                                std::to_string(send.rank) + " with tag " + std::to_string(send.tag) +
-                                " is too long: " + std::to_string(bytes) + " bytes for a receive of " +
-                                std::to_string(recv.capacity) + " bytes (" + describe(recv) + ")")));
+    finish_locked(
+        recv, std::make_exception_ptr(
+                  Error(Errc::kTruncated,
+                        std::string("commux ") + recv.name + ": message from peer " +
+                            std::to_string(send.rank) + " with tag " + std::to_string(send.tag) +
+                            " is too long: " + std::to_string(bytes) + " bytes for a receive of " +
+                            std::to_string(recv.capacity) + " bytes (" + describe(recv) + ")")));
   } else {
     std::size_t at = 0;
     for (const Buffer& b : recv.bufs) {
@@ -271,7 +274,8 @@ void LoopbackWorld::finish_locked(Op& op, std::exception_ptr error) {
 void LoopbackWorld::wait(Op& op, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lk(mu_);
   const auto ur = static_cast<std::size_t>(op.rank);
-  trace_[ur].push_back(TraceEvent{TraceEvent::Kind::kWait, op.dir, op.peer, op.kind, op.tag, op.capacity});
+  trace_[ur].push_back(
+      TraceEvent{TraceEvent::Kind::kWait, op.dir, op.peer, op.kind, op.tag, op.capacity});
   if (op.finished.load()) return;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   op.deadlock.clear();
@@ -325,8 +329,9 @@ void LoopbackWorld::cancel(Op& op) {
                  list.end());
     }
   }
-  finish_locked(op, std::make_exception_ptr(Error(
-                        Errc::kCanceled, std::string("commux ") + op.name + ": canceled (" + describe(op) + ")")));
+  finish_locked(op, std::make_exception_ptr(Error(Errc::kCanceled, std::string("commux ") +
+                                                                       op.name + ": canceled (" +
+                                                                       describe(op) + ")")));
 }
 
 std::string LoopbackWorld::unmatched() const {

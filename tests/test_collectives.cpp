@@ -149,7 +149,9 @@ void run_world(int n, const std::function<void(Rank&)>& body, MemoryType mem = M
 }
 
 // Integer-valued contribution of rank r to element i, in -5..5.
-float val(int r, std::size_t i) { return static_cast<float>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 11) - 5); }
+float val(int r, std::size_t i) {
+  return static_cast<float>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 11) - 5);
+}
 
 std::vector<float> contribution(int r, std::size_t count) {
   std::vector<float> v(count);
@@ -162,21 +164,24 @@ void check_eq(const std::vector<T>& got, const std::vector<T>& want, const std::
   CX_CHECK_EQ(got.size(), want.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
     if (!(got[i] == want[i])) {
-      check_failed(__FILE__, __LINE__, what + ": element " + std::to_string(i) + " is " +
-                                           std::to_string(static_cast<double>(got[i])) +
-                                           ", expected " + std::to_string(static_cast<double>(want[i])));
+      check_failed(__FILE__, __LINE__,
+                   what + ": element " + std::to_string(i) + " is " +
+                       std::to_string(static_cast<double>(got[i])) + ", expected " +
+                       std::to_string(static_cast<double>(want[i])));
     }
   }
 }
 
 std::vector<unsigned char> bytes_of(int r, std::size_t n, std::uint64_t salt) {
   std::vector<unsigned char> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = pattern(static_cast<std::uint64_t>(r) * 1000 + salt, i);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = pattern(static_cast<std::uint64_t>(r) * 1000 + salt, i);
   return v;
 }
 
 std::string tag(const char* what, std::size_t count, int root = -1) {
-  return std::string(what) + " count " + std::to_string(count) + (root >= 0 ? " root " + std::to_string(root) : "");
+  return std::string(what) + " count " + std::to_string(count) +
+         (root >= 0 ? " root " + std::to_string(root) : "");
 }
 
 std::vector<std::size_t> counts_for(int n, std::size_t base) {
@@ -192,9 +197,11 @@ void check_barrier(Rank& k) {
 }
 
 void check_broadcast(Rank& k, std::size_t bytes, int root) {
-  std::vector<unsigned char> buf = k.r() == root ? bytes_of(root, bytes, 1) : std::vector<unsigned char>(bytes, 0xEE);
+  std::vector<unsigned char> buf =
+      k.r() == root ? bytes_of(root, bytes, 1) : std::vector<unsigned char>(bytes, 0xEE);
   coll::broadcast(k.ctx("broadcast"), buf.data(), bytes, root);
-  if (buf != bytes_of(root, bytes, 1)) check_failed(__FILE__, __LINE__, tag("broadcast", bytes, root) + ": wrong data");
+  if (buf != bytes_of(root, bytes, 1))
+    check_failed(__FILE__, __LINE__, tag("broadcast", bytes, root) + ": wrong data");
 }
 
 void check_allreduce_sum(Rank& k, std::size_t count) {
@@ -214,11 +221,13 @@ void check_allreduce_identical(Rank& k, std::size_t count) {
   std::vector<float> buf(count);
   for (auto& x : buf) x = d(g) * 1e-3f + (static_cast<float>(k.r()) * 1e3f);
   coll::allreduce(k.ctx("allreduce"), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
-  k.snaps.put(k.key(tag("allreduce random float32 SUM", count)), k.r(), buf.data(), count * sizeof(float));
+  k.snaps.put(k.key(tag("allreduce random float32 SUM", count)), k.r(), buf.data(),
+              count * sizeof(float));
   std::vector<double> h(count);
   for (std::size_t i = 0; i < count; ++i) h[i] = d(g) * 1e10 + i;
   coll::allreduce(k.ctx("allreduce"), h.data(), count, DataType::kFloat64, ReduceOp::kProduct);
-  k.snaps.put(k.key(tag("allreduce random float64 PRODUCT", count)), k.r(), h.data(), count * sizeof(double));
+  k.snaps.put(k.key(tag("allreduce random float64 PRODUCT", count)), k.r(), h.data(),
+              count * sizeof(double));
 }
 
 void check_allreduce_types(Rank& k, std::size_t count) {
@@ -228,7 +237,8 @@ void check_allreduce_types(Rank& k, std::size_t count) {
     for (std::size_t i = 0; i < count; ++i) {
       mx[i] = mn[i] = static_cast<std::int32_t>((r * 31 + static_cast<int>(i) * 17) % 23) - 11;
       for (int p = 0; p < n; ++p) {
-        const std::int32_t v = static_cast<std::int32_t>((p * 31 + static_cast<int>(i) * 17) % 23) - 11;
+        const std::int32_t v =
+            static_cast<std::int32_t>((p * 31 + static_cast<int>(i) * 17) % 23) - 11;
         wmx[i] = std::max(wmx[i], v);
         wmn[i] = std::min(wmn[i], v);
       }
@@ -244,8 +254,9 @@ void check_allreduce_types(Rank& k, std::size_t count) {
       pr[i] = static_cast<std::int64_t>(i) * 1000003 + r + 2;
       bx[i] = static_cast<std::int64_t>(i) << (r % 8);
       for (int p = 0; p < n; ++p) {
-        wpr[i] = static_cast<std::int64_t>(static_cast<std::uint64_t>(wpr[i]) *
-                                           static_cast<std::uint64_t>(static_cast<std::int64_t>(i) * 1000003 + p + 2));
+        wpr[i] = static_cast<std::int64_t>(
+            static_cast<std::uint64_t>(wpr[i]) *
+            static_cast<std::uint64_t>(static_cast<std::int64_t>(i) * 1000003 + p + 2));
         wbx[i] ^= static_cast<std::int64_t>(i) << (p % 8);
       }
     }
@@ -257,10 +268,12 @@ void check_allreduce_types(Rank& k, std::size_t count) {
   {  // bool: SUM is logical or, PRODUCT logical and
     std::vector<std::uint8_t> any(count), all(count), wany(count, 0), wall(count, 1);
     for (std::size_t i = 0; i < count; ++i) {
-      any[i] = static_cast<std::uint8_t>((i % static_cast<std::size_t>(n + 1)) == static_cast<std::size_t>(r));
+      any[i] = static_cast<std::uint8_t>((i % static_cast<std::size_t>(n + 1)) ==
+                                         static_cast<std::size_t>(r));
       all[i] = static_cast<std::uint8_t>(i % 3 != 0 || r != n - 1);
       for (int p = 0; p < n; ++p) {
-        wany[i] |= static_cast<std::uint8_t>((i % static_cast<std::size_t>(n + 1)) == static_cast<std::size_t>(p));
+        wany[i] |= static_cast<std::uint8_t>((i % static_cast<std::size_t>(n + 1)) ==
+                                             static_cast<std::size_t>(p));
         wall[i] &= static_cast<std::uint8_t>(i % 3 != 0 || p != n - 1);
       }
     }
@@ -313,12 +326,14 @@ void check_allgatherv(Rank& k, const std::vector<std::size_t>& counts, bool in_p
   std::vector<unsigned char> out(total + 5, 0xAB), want(total + 5, 0xAB);
   for (int p = 0; p < n; ++p) {
     const auto part = bytes_of(p, counts[static_cast<std::size_t>(p)], 2);
-    std::copy(part.begin(), part.end(), want.begin() + static_cast<std::ptrdiff_t>(displs[static_cast<std::size_t>(p)]));
+    std::copy(part.begin(), part.end(),
+              want.begin() + static_cast<std::ptrdiff_t>(displs[static_cast<std::size_t>(p)]));
   }
   const auto mine = bytes_of(r, counts[static_cast<std::size_t>(r)], 2);
   const void* in = mine.data();
   if (in_place) {
-    std::copy(mine.begin(), mine.end(), out.begin() + static_cast<std::ptrdiff_t>(displs[static_cast<std::size_t>(r)]));
+    std::copy(mine.begin(), mine.end(),
+              out.begin() + static_cast<std::ptrdiff_t>(displs[static_cast<std::size_t>(r)]));
     in = out.data() + displs[static_cast<std::size_t>(r)];
   }
   coll::allgatherv(k.ctx("allgatherv"), in, out.data(), counts.data(), displs.data());
@@ -337,9 +352,12 @@ void check_allgather(Rank& k, std::size_t bytes) {
   if (out != want) check_failed(__FILE__, __LINE__, tag("allgather", bytes) + ": wrong data");
   // In place: `in` aliases the rank's own slot of `out`.
   std::vector<unsigned char> out2(out.size(), 0);
-  std::copy(mine.begin(), mine.end(), out2.begin() + static_cast<std::ptrdiff_t>(bytes * static_cast<std::size_t>(k.r())));
-  coll::allgather(k.ctx("allgather"), out2.data() + bytes * static_cast<std::size_t>(k.r()), bytes, out2.data());
-  if (out2 != want) check_failed(__FILE__, __LINE__, tag("allgather in place", bytes) + ": wrong data");
+  std::copy(mine.begin(), mine.end(),
+            out2.begin() + static_cast<std::ptrdiff_t>(bytes * static_cast<std::size_t>(k.r())));
+  coll::allgather(k.ctx("allgather"), out2.data() + bytes * static_cast<std::size_t>(k.r()), bytes,
+                  out2.data());
+  if (out2 != want)
+    check_failed(__FILE__, __LINE__, tag("allgather in place", bytes) + ": wrong data");
 }
 
 void check_gather_scatter(Rank& k, std::size_t bytes, int root) {
@@ -353,7 +371,8 @@ void check_gather_scatter(Rank& k, std::size_t bytes, int root) {
   const auto mine = bytes_of(r, bytes, 4);
   std::vector<unsigned char> out(r == root ? bytes * nn : 0);
   coll::gather(k.ctx("gather"), mine.data(), bytes, r == root ? out.data() : nullptr, root);
-  if (r == root && out != want) check_failed(__FILE__, __LINE__, tag("gather", bytes, root) + ": wrong data");
+  if (r == root && out != want)
+    check_failed(__FILE__, __LINE__, tag("gather", bytes, root) + ": wrong data");
   // Scatter the same concatenation back out.
   std::vector<unsigned char> got(bytes, 0xCD);
   coll::scatter(k.ctx("scatter"), r == root ? want.data() : nullptr, got.data(), bytes, root);
@@ -371,10 +390,11 @@ void check_reduce_scatter(Rank& k, const std::vector<std::size_t>& counts) {
   for (int p = 0; p < n; ++p) {
     for (std::size_t i = 0; i < mine; ++i) want[i] += val(p, my_off + i);
   }
-  coll::reduce_scatter(k.ctx("reduce_scatter"), in.data(), out.data(), counts.data(), DataType::kFloat32,
-                       ReduceOp::kSum);
+  coll::reduce_scatter(k.ctx("reduce_scatter"), in.data(), out.data(), counts.data(),
+                       DataType::kFloat32, ReduceOp::kSum);
   check_eq(out, want, "reduce_scatter count " + std::to_string(total));
-  if (in != contribution(r, total)) check_failed(__FILE__, __LINE__, "reduce_scatter modified its input");
+  if (in != contribution(r, total))
+    check_failed(__FILE__, __LINE__, "reduce_scatter modified its input");
   // In place: out is the rank's own block of the input.
   std::vector<float> io = contribution(r, total);
   coll::reduce_scatter(k.ctx("reduce_scatter"), io.data(), io.data() + my_off, counts.data(),
@@ -386,7 +406,8 @@ void check_reduce_scatter(Rank& k, const std::vector<std::size_t>& counts) {
 
 // Rank s sends split(s, d) bytes to rank d; some splits are zero.
 std::size_t split(int s, int d, int salt) {
-  return static_cast<std::size_t>(((s * 5 + d * 3 + salt) % 7) == 0 ? 0 : (s * 13 + d * 7 + salt) % 29);
+  return static_cast<std::size_t>(((s * 5 + d * 3 + salt) % 7) == 0 ? 0
+                                                                    : (s * 13 + d * 7 + salt) % 29);
 }
 
 void check_alltoallv(Rank& k, int salt) {
@@ -407,7 +428,8 @@ void check_alltoallv(Rank& k, int salt) {
     rd[pu] = out_total + 2;
     out_total = rd[pu] + rc[pu];
   }
-  std::vector<unsigned char> in(in_total + 1, 0x11), out(out_total + 1, 0x22), want(out_total + 1, 0x22);
+  std::vector<unsigned char> in(in_total + 1, 0x11), out(out_total + 1, 0x22),
+      want(out_total + 1, 0x22);
   for (int p = 0; p < n; ++p) {
     const auto pu = static_cast<std::size_t>(p);
     const auto to = bytes_of(r * 100 + p, sc[pu], 5);
@@ -415,21 +437,26 @@ void check_alltoallv(Rank& k, int salt) {
     const auto from = bytes_of(p * 100 + r, rc[pu], 5);
     std::copy(from.begin(), from.end(), want.begin() + static_cast<std::ptrdiff_t>(rd[pu]));
   }
-  coll::alltoallv(k.ctx("alltoallv"), in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data());
-  if (out != want) check_failed(__FILE__, __LINE__, "alltoallv salt " + std::to_string(salt) + ": wrong data");
+  coll::alltoallv(k.ctx("alltoallv"), in.data(), sc.data(), sd.data(), out.data(), rc.data(),
+                  rd.data());
+  if (out != want)
+    check_failed(__FILE__, __LINE__, "alltoallv salt " + std::to_string(salt) + ": wrong data");
 }
 
 void check_invalid_arguments(Rank& k) {
   const int n = k.n();
   float f[4] = {};
   // Every rank rejects the same bad arguments before posting anything: nothing hangs.
-  std::string m = expect_error(Errc::kInvalidArgument, [&] { coll::broadcast(k.ctx("broadcast"), f, 4, n); });
+  std::string m =
+      expect_error(Errc::kInvalidArgument, [&] { coll::broadcast(k.ctx("broadcast"), f, 4, n); });
   CX_CHECK_HAS(m, "commux broadcast: root");
-  m = expect_error(Errc::kInvalidArgument,
-                   [&] { coll::allreduce(k.ctx("allreduce"), f, 2, DataType::kComplex64, ReduceOp::kMin); });
+  m = expect_error(Errc::kInvalidArgument, [&] {
+    coll::allreduce(k.ctx("allreduce"), f, 2, DataType::kComplex64, ReduceOp::kMin);
+  });
   CX_CHECK_HAS(m, "commux allreduce: ReduceOp MIN is not defined for complex64");
-  m = expect_error(Errc::kInvalidArgument,
-                   [&] { coll::reduce(k.ctx("reduce"), f, 4, DataType::kFloat32, ReduceOp::kBand, 0); });
+  m = expect_error(Errc::kInvalidArgument, [&] {
+    coll::reduce(k.ctx("reduce"), f, 4, DataType::kFloat32, ReduceOp::kBand, 0);
+  });
   CX_CHECK_HAS(m, "commux reduce:");
   coll::Context none;
   none.op_name = "barrier";
@@ -444,7 +471,8 @@ void all_collectives(Rank& k, bool large) {
   const std::vector<int> roots = n == 1 ? std::vector<int>{0} : std::vector<int>{0, n - 1, n / 2};
   const std::size_t not_div = nn * 3 + 1;  // not divisible by n (for n > 1)
   check_barrier(k);
-  for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{5000}}) {
+  for (std::size_t bytes :
+       {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{5000}}) {
     for (int root : roots) check_broadcast(k, bytes, root);
   }
   // Scatter + ring allgather path (>= 512 KiB), uneven blocks.
@@ -459,11 +487,13 @@ void all_collectives(Rank& k, bool large) {
   check_allreduce_types(k, 7);
   check_allreduce_types(k, 9001);  // 9001 int64 = 72 KB: ring / halves
   for (int root : roots) {
-    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{20011}}) {
+    for (std::size_t count :
+         {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{20011}}) {
       check_reduce(k, count, root);
     }
   }
-  for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{70001}}) {
+  for (std::size_t bytes :
+       {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{70001}}) {
     check_allgather(k, bytes);
   }
   {
@@ -518,8 +548,9 @@ bool handles(const std::string& op, const std::string& name, int n, bool uniform
 void check_ran(Rank& k, const std::string& op, const std::string& name, bool handled) {
   const std::string ran = coll::last_algorithm();
   if (handled ? ran != name : ran == name) {
-    check_failed(__FILE__, __LINE__, op + " forced to " + name + " on " + std::to_string(k.n()) +
-                                         " ranks ran '" + ran + "'");
+    check_failed(__FILE__, __LINE__,
+                 op + " forced to " + name + " on " + std::to_string(k.n()) + " ranks ran '" + ran +
+                     "'");
   }
 }
 
@@ -535,8 +566,8 @@ void forced_suite(Rank& k, const std::string& op, const std::string& name, bool 
   k.label = op + "/" + name + ": ";
   const bool h = handles(op, name, n);
   if (op == "allreduce") {
-    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, nn > 1 ? nn - 1 : 1,
-                              std::size_t{20011}}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div,
+                              nn > 1 ? nn - 1 : 1, std::size_t{20011}}) {
       check_allreduce_sum(k, count);
       check_ran(k, op, name, h);
     }
@@ -549,14 +580,16 @@ void forced_suite(Rank& k, const std::string& op, const std::string& name, bool 
       check_ran(k, op, name, h);
     }
   } else if (op == "broadcast") {
-    for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{5000}}) {
+    for (std::size_t bytes :
+         {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{5000}}) {
       for (int root : roots) check_broadcast(k, bytes, root);
     }
     check_ran(k, op, name, h);
     if (large) check_broadcast(k, (std::size_t{3} << 20) + 3, n / 2);
   } else if (op == "reduce") {
     for (int root : roots) {
-      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{20011}}) {
+      for (std::size_t count :
+           {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{20011}}) {
         check_reduce(k, count, root);
       }
     }
@@ -566,7 +599,8 @@ void forced_suite(Rank& k, const std::string& op, const std::string& name, bool 
       check_reduce(k, (std::size_t{1} << 20) + 5, 0);
     }
   } else if (op == "allgather") {
-    for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{70001}}) {
+    for (std::size_t bytes :
+         {std::size_t{0}, std::size_t{1}, std::size_t{7}, not_div, std::size_t{70001}}) {
       check_allgather(k, bytes);
     }
     check_ran(k, op, name, h);
@@ -598,7 +632,8 @@ void forced_suite(Rank& k, const std::string& op, const std::string& name, bool 
   } else if (op == "gather" || op == "scatter") {
     k.forced["gather"] = k.forced["scatter"] = name;  // both have binomial and linear
     for (int root : roots) {
-      for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{70001}}) {
+      for (std::size_t bytes :
+           {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{70001}}) {
         check_gather_scatter(k, bytes, root);
       }
     }
@@ -609,8 +644,9 @@ void forced_suite(Rank& k, const std::string& op, const std::string& name, bool 
   k.label.clear();
 }
 
-const std::vector<std::string> kOps = {"allreduce", "broadcast", "reduce", "allgather", "reduce_scatter",
-                                       "alltoall", "barrier", "gather", "scatter"};
+const std::vector<std::string> kOps = {"allreduce", "broadcast",      "reduce",
+                                       "allgather", "reduce_scatter", "alltoall",
+                                       "barrier",   "gather",         "scatter"};
 
 }  // namespace
 
@@ -650,23 +686,28 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, Forced, ::testing::Values(1, 2, 3, 4, 5, 6,
 // messages to the rank itself), small counts only.
 TEST(Algorithms, EveryAlgorithmOnTheNonHostPath) {
   for (int n : {3, 4}) {
-    run_world(n, [&](Rank& k) {
-      for (const auto& op : kOps) {
-        if (op == "scatter") continue;
-        for (const auto& name : coll::algorithms(op.c_str())) forced_suite(k, op, name, false);
-      }
-    }, MemoryType::kUnknown);
+    run_world(
+        n,
+        [&](Rank& k) {
+          for (const auto& op : kOps) {
+            if (op == "scatter") continue;
+            for (const auto& name : coll::algorithms(op.c_str())) forced_suite(k, op, name, false);
+          }
+        },
+        MemoryType::kUnknown);
   }
 }
 
 TEST(Algorithms, ListedPerCollective) {
   EXPECT_EQ(coll::algorithms("allreduce"),
             (std::vector<std::string>{"recursive_doubling", "halves", "ring", "rabenseifner"}));
-  EXPECT_EQ(coll::algorithms("ALLGATHER"), (std::vector<std::string>{"ring", "recursive_doubling", "bruck"}));
+  EXPECT_EQ(coll::algorithms("ALLGATHER"),
+            (std::vector<std::string>{"ring", "recursive_doubling", "bruck"}));
   EXPECT_EQ(coll::algorithms("allgatherv"), coll::algorithms("allgather"));
   EXPECT_EQ(coll::algorithms("alltoallv"), (std::vector<std::string>{"pairwise", "linear"}));
   for (const auto& op : kOps) EXPECT_FALSE(coll::algorithms(op.c_str()).empty()) << op;
-  const std::string m = expect_error(Errc::kInvalidArgument, [] { coll::algorithms("allscatter"); });
+  const std::string m =
+      expect_error(Errc::kInvalidArgument, [] { coll::algorithms("allscatter"); });
   EXPECT_NE(m.find("unknown collective 'allscatter'"), std::string::npos) << m;
   EXPECT_NE(m.find("reduce_scatter"), std::string::npos) << m;
   EXPECT_EQ(std::string(coll::last_algorithm()), "");  // nothing ran on this thread yet
@@ -706,7 +747,8 @@ TEST(Algorithms, FallbackSelectionAndUnknownNames) {
       std::vector<float> in(12, 1.0f), out(4);
       coll::Context c = k.ctx("reduce_scatter");
       c.algorithm = "recursive_halving";  // declines 3 ranks -> ring
-      coll::reduce_scatter(c, in.data(), out.data(), counts.data(), DataType::kFloat32, ReduceOp::kSum);
+      coll::reduce_scatter(c, in.data(), out.data(), counts.data(), DataType::kFloat32,
+                           ReduceOp::kSum);
       CX_CHECK_EQ(std::string(coll::last_algorithm()), "ring");
     }
     std::string m = expect_error(Errc::kInvalidArgument, [&] {
@@ -714,7 +756,8 @@ TEST(Algorithms, FallbackSelectionAndUnknownNames) {
       c.algorithm = "butterfly";
       coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
     });
-    CX_CHECK_HAS(m, "commux allreduce: unknown allreduce algorithm 'butterfly' (from Context::algorithm)");
+    CX_CHECK_HAS(
+        m, "commux allreduce: unknown allreduce algorithm 'butterfly' (from Context::algorithm)");
     CX_CHECK_HAS(m, "recursive_doubling, halves, ring, rabenseifner");
     m = expect_error(Errc::kInvalidArgument, [&] {
       coll::Context c = k.ctx("gather");
@@ -727,7 +770,8 @@ TEST(Algorithms, FallbackSelectionAndUnknownNames) {
     coll::barrier(k.ctx("barrier"));  // nothing was left posted: the world still works
   });
   // force_algorithm(): process-wide, validated at once, cleared by nullptr / "auto".
-  std::string m = expect_error(Errc::kInvalidArgument, [] { coll::force_algorithm("allreduce", "tree"); });
+  std::string m =
+      expect_error(Errc::kInvalidArgument, [] { coll::force_algorithm("allreduce", "tree"); });
   EXPECT_NE(m.find("recursive_doubling, halves, ring, rabenseifner"), std::string::npos) << m;
   coll::force_algorithm("allreduce", "rabenseifner");
   EXPECT_EQ(coll::forced_algorithm("allreduce"), "rabenseifner");
@@ -791,39 +835,48 @@ TEST(Collectives, NonHostMemoryPathOnHostBuffers) {
 // host scratch. Host memory labelled kUnknown stands in for device memory.
 TEST(Collectives, DeviceOpsDoTheWorkInDeviceMemory) {
   for (int n : {1, 2, 3, 4}) {
-    run_world(n, [&](Rank& k) {
-      auto& ops = *static_cast<CountingDeviceOps*>(k.device);
-      all_collectives(k, n == 2);
-      EXPECT_EQ(ops.live(), 0u);
-      EXPECT_EQ(ops.bad_releases, 0u);
-      // Each reducing collective on its own: it reduces through the DeviceOps on 2+ ranks.
-      for (const char* op : {"allreduce", "reduce", "reduce_scatter"}) {
-        for (std::size_t count : {std::size_t{7}, std::size_t{70000}}) {
-          const std::size_t before = ops.reductions, syncs_before = ops.syncs;
-          if (std::string(op) == "allreduce") check_allreduce_sum(k, count);
-          if (std::string(op) == "reduce") check_reduce(k, count, n - 1);
-          if (std::string(op) == "reduce_scatter") check_reduce_scatter(k, counts_for(n, count));
-          // Who reduces: every rank in a reduce-scatter; the root of a reduce; in an allreduce
-          // every rank, except the ranks folded out by recursive doubling on 3 ranks.
-          const std::string o = op;
-          const bool must = o == "reduce" ? k.r() == n - 1
-                            : o == "allreduce" ? (n != 3 || count >= 70000) : true;
-          if (n > 1 && must) {
-            EXPECT_GT(ops.reductions, before) << op << " count " << count << " rank " << k.r();
+    run_world(
+        n,
+        [&](Rank& k) {
+          auto& ops = *static_cast<CountingDeviceOps*>(k.device);
+          all_collectives(k, n == 2);
+          EXPECT_EQ(ops.live(), 0u);
+          EXPECT_EQ(ops.bad_releases, 0u);
+          // Each reducing collective on its own: it reduces through the DeviceOps on 2+ ranks.
+          for (const char* op : {"allreduce", "reduce", "reduce_scatter"}) {
+            for (std::size_t count : {std::size_t{7}, std::size_t{70000}}) {
+              const std::size_t before = ops.reductions, syncs_before = ops.syncs;
+              if (std::string(op) == "allreduce") check_allreduce_sum(k, count);
+              if (std::string(op) == "reduce") check_reduce(k, count, n - 1);
+              if (std::string(op) == "reduce_scatter")
+                check_reduce_scatter(k, counts_for(n, count));
+              // Who reduces: every rank in a reduce-scatter; the root of a reduce; in an allreduce
+              // every rank, except the ranks folded out by recursive doubling on 3 ranks.
+              const std::string o = op;
+              const bool must = o == "reduce"      ? k.r() == n - 1
+                                : o == "allreduce" ? (n != 3 || count >= 70000)
+                                                   : true;
+              if (n > 1 && must) {
+                EXPECT_GT(ops.reductions, before) << op << " count " << count << " rank " << k.r();
+              }
+              EXPECT_EQ(ops.live(), 0u) << op;
+              EXPECT_GT(ops.syncs, syncs_before)
+                  << op << ": the caller's device work was not completed";
+            }
           }
-          EXPECT_EQ(ops.live(), 0u) << op;
-          EXPECT_GT(ops.syncs, syncs_before) << op << ": the caller's device work was not completed";
-        }
-      }
-    }, MemoryType::kUnknown, /*device_ops=*/true);
+        },
+        MemoryType::kUnknown, /*device_ops=*/true);
   }
   // Every algorithm, forced, on the device path.
-  run_world(4, [&](Rank& k) {
-    for (const auto& op : kOps) {
-      if (op == "scatter") continue;
-      for (const auto& name : coll::algorithms(op.c_str())) forced_suite(k, op, name, false);
-    }
-  }, MemoryType::kUnknown, /*device_ops=*/true);
+  run_world(
+      4,
+      [&](Rank& k) {
+        for (const auto& op : kOps) {
+          if (op == "scatter") continue;
+          for (const auto& name : coll::algorithms(op.c_str())) forced_suite(k, op, name, false);
+        }
+      },
+      MemoryType::kUnknown, /*device_ops=*/true);
 }
 
 // Collectives with distinct tags may be in flight at once (the torch backend runs them on
@@ -871,43 +924,47 @@ namespace {
 void never_joins(bool exits, std::size_t count) {
   RunOptions o;
   o.timeout_s = 30;
-  run_ranks(3, [exits, count](Communicator& c) {
-    if (c.rank() == 2) {
-      if (!exits) std::this_thread::sleep_for(std::chrono::milliseconds(4000));
-      return;
-    }
-    std::vector<float> v(count, 1.0f);
-    coll::Context ctx;
-    ctx.comm = &c;
-    ctx.tag = 7;
-    ctx.op_name = "allreduce";
-    const auto t0 = Clock::now();
-    ctx.deadline = t0 + std::chrono::milliseconds(1500);
-    std::string msg;
-    Errc code = Errc::kTransport;
-    try {
-      coll::allreduce(ctx, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
-      check_failed(__FILE__, __LINE__, "allreduce without rank 2 returned");
-    } catch (const Error& e) {
-      msg = e.what();
-      code = e.code();
-      // The collective names itself, keeps the failed request's peer and tag, and is not posted
-      // any more (it cancelled its requests): neither the field nor the note says otherwise.
-      CX_CHECK(e.op() == "allreduce");
-      CX_CHECK(e.peer().has_value());
-      CX_CHECK(e.tag().has_value());
-      CX_CHECK(!e.still_posted());
-      CX_CHECK(e.group() == std::to_string(c.options().group));
-      CX_CHECK(msg.find("still posted") == std::string::npos);
-    }
-    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
-    std::fprintf(stderr, "[rank %d] after %.2f s (%s): %s\n", c.rank(), took, errc_name(code), msg.c_str());
-    CX_CHECK(code == Errc::kTimeout || (exits && code == Errc::kPeerFailed));
-    CX_CHECK_HAS(msg, "commux allreduce: ");
-    CX_CHECK_HAS(msg, "peer ");
-    CX_CHECK(took < 1.5 + 3.0);
-    if (!exits) CX_CHECK(took >= 1.4);
-  }, o);
+  run_ranks(
+      3,
+      [exits, count](Communicator& c) {
+        if (c.rank() == 2) {
+          if (!exits) std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+          return;
+        }
+        std::vector<float> v(count, 1.0f);
+        coll::Context ctx;
+        ctx.comm = &c;
+        ctx.tag = 7;
+        ctx.op_name = "allreduce";
+        const auto t0 = Clock::now();
+        ctx.deadline = t0 + std::chrono::milliseconds(1500);
+        std::string msg;
+        Errc code = Errc::kTransport;
+        try {
+          coll::allreduce(ctx, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+          check_failed(__FILE__, __LINE__, "allreduce without rank 2 returned");
+        } catch (const Error& e) {
+          msg = e.what();
+          code = e.code();
+          // The collective names itself, keeps the failed request's peer and tag, and is not posted
+          // any more (it cancelled its requests): neither the field nor the note says otherwise.
+          CX_CHECK(e.op() == "allreduce");
+          CX_CHECK(e.peer().has_value());
+          CX_CHECK(e.tag().has_value());
+          CX_CHECK(!e.still_posted());
+          CX_CHECK(e.group() == std::to_string(c.options().group));
+          CX_CHECK(msg.find("still posted") == std::string::npos);
+        }
+        const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+        std::fprintf(stderr, "[rank %d] after %.2f s (%s): %s\n", c.rank(), took, errc_name(code),
+                     msg.c_str());
+        CX_CHECK(code == Errc::kTimeout || (exits && code == Errc::kPeerFailed));
+        CX_CHECK_HAS(msg, "commux allreduce: ");
+        CX_CHECK_HAS(msg, "peer ");
+        CX_CHECK(took < 1.5 + 3.0);
+        if (!exits) CX_CHECK(took >= 1.4);
+      },
+      o);
 }
 
 }  // namespace

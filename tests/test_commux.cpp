@@ -115,7 +115,8 @@ int run_bench(Communicator& c, Space& s) {
         c.send(bufs, peer, 1);
       }
     }
-    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     samples.push_back(us / iters / 2);
   }
   for (int i = 0; i < v; ++i) {
@@ -123,13 +124,15 @@ int run_bench(Communicator& c, Space& s) {
   }
   std::sort(samples.begin(), samples.end());
   if (c.rank() == 0) {
-    const std::string memory = s.type() == MemoryType::kHost
-                                   ? std::string()
-                                   : std::string("\"memory\": \"") + memory_type_name(s.type()) + "\", ";
-    std::printf("{\"bench\": \"pingpong\", %s\"tensors\": %d, \"bytes_each\": %zu, \"coalesce\": %s, "
-                "\"one_way_us_median\": %.3f, \"one_way_us_min\": %.3f, \"wrong\": 0}\n",
-                memory.c_str(), v, bytes, c.options().packing == Packing::kIov ? "true" : "false",
-                samples[2], samples[0]);
+    const std::string memory =
+        s.type() == MemoryType::kHost
+            ? std::string()
+            : std::string("\"memory\": \"") + memory_type_name(s.type()) + "\", ";
+    std::printf(
+        "{\"bench\": \"pingpong\", %s\"tensors\": %d, \"bytes_each\": %zu, \"coalesce\": %s, "
+        "\"one_way_us_median\": %.3f, \"one_way_us_min\": %.3f, \"wrong\": 0}\n",
+        memory.c_str(), v, bytes, c.options().packing == Packing::kIov ? "true" : "false",
+        samples[2], samples[0]);
   }
   return 0;
 }
@@ -174,8 +177,10 @@ int run_cuda(Communicator& c, CudaRuntime* rt, std::string why) {
   }
   if (!all_ranks_ready(c, why.empty())) {
     if (why.empty()) why = "another rank cannot run them (its message says why)";
-    std::printf("test_commux rank %d: SKIP (exit %d): UCXPG_DEVICE=cuda, but the CUDA checks cannot "
-                "run: %s\n", c.rank(), kSkipExit, why.c_str());
+    std::printf(
+        "test_commux rank %d: SKIP (exit %d): UCXPG_DEVICE=cuda, but the CUDA checks cannot "
+        "run: %s\n",
+        c.rank(), kSkipExit, why.c_str());
     return kSkipExit;
   }
   std::printf("test_commux rank %d: CUDA device %d of %d via %s; UCX %s, memory types [%s]\n",

@@ -9,7 +9,9 @@
 using namespace commux;
 
 namespace {
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+bool has(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
 }  // namespace
 
 TEST(Error, FieldsAndComposedMessage) {
@@ -25,9 +27,10 @@ TEST(Error, FieldsAndComposedMessage) {
   EXPECT_EQ(*e.bytes(), 1024u);
   EXPECT_EQ(e.group(), "3");
   EXPECT_FALSE(e.still_posted());
-  EXPECT_EQ(std::string(e.what()),
-            "commux irecv: timed out after 300 ms (from peer 0, tag 77, 1024 bytes, group 3, rank 1 "
-            "of 2)");
+  EXPECT_EQ(
+      std::string(e.what()),
+      "commux irecv: timed out after 300 ms (from peer 0, tag 77, 1024 bytes, group 3, rank 1 "
+      "of 2)");
   EXPECT_EQ(e.describe(), "irecv: " + e.reason());
 }
 
@@ -52,11 +55,13 @@ TEST(Error, StillPostedIsAFieldAndItsNote) {
 // whatever its text is: before, the collective stripped the literal note from what().
 TEST(Error, WrappingKeepsFieldsAndDropsTheNote) {
   const Error inner =
-      Error(Errc::kTimeout, ErrorSite{"irecv", 2, 7, 64, "1"}, "timed out after 5 ms").with_still_posted(true);
+      Error(Errc::kTimeout, ErrorSite{"irecv", 2, 7, 64, "1"}, "timed out after 5 ms")
+          .with_still_posted(true);
   ErrorSite site = inner.site();
   site.op = "allreduce";
   const Error outer(inner.code(), site, inner.describe() + " [ring reduce-scatter]");
-  EXPECT_EQ(std::string(outer.what()), "commux allreduce: irecv: timed out after 5 ms [ring reduce-scatter]");
+  EXPECT_EQ(std::string(outer.what()),
+            "commux allreduce: irecv: timed out after 5 ms [ring reduce-scatter]");
   EXPECT_FALSE(has(outer.what(), "still posted"));
   EXPECT_FALSE(outer.still_posted());
   EXPECT_EQ(*outer.peer(), 2);

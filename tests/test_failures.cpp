@@ -99,7 +99,8 @@ TEST(Failures, TimeoutThenCancel) {
       }
       CX_CHECK(!r.test());
       r.cancel();
-      CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { r.wait(std::chrono::seconds(5)); }), "irecv");
+      CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { r.wait(std::chrono::seconds(5)); }),
+                   "irecv");
     }
     handshake(c);
   });
@@ -109,27 +110,32 @@ TEST(Failures, TimeoutThenCancel) {
 TEST(Failures, DeadPeerFailsPendingOps) {
   RunOptions o;
   o.expect_killed = {1};
-  run_ranks(2, [](Communicator& c) {
-    handshake(c);
-    if (c.rank() == 1) {
-      ::raise(SIGKILL);
-    }
-    std::vector<unsigned char> in(64);
-    Request r = c.irecv(buf(in), 1, 3);
-    const auto t0 = Clock::now();
-    const std::string msg = expect_error(Errc::kPeerFailed, [&] { r.wait(std::chrono::seconds(20)); });
-    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    std::fprintf(stderr, "[rank 0] dead peer detected after %.2f s: %s\n", secs, msg.c_str());
-    CX_CHECK_HAS(msg, "peer 1");
-    CX_CHECK_HAS(msg, "tag 3");
-    // Sends to the dead peer now fail at once rather than hang.
-    std::vector<unsigned char> out(std::size_t{1} << 20);
-    expect_error(Errc::kPeerFailed, [&] { c.isend(buf(out), 1, 4).wait(std::chrono::seconds(20)); });
-    // Shutdown with a dead peer is bounded by the shutdown timeout.
-    const auto s0 = Clock::now();
-    c.shutdown();
-    CX_CHECK(Clock::now() - s0 < c.options().shutdown_timeout + std::chrono::seconds(1));
-  }, o);
+  run_ranks(
+      2,
+      [](Communicator& c) {
+        handshake(c);
+        if (c.rank() == 1) {
+          ::raise(SIGKILL);
+        }
+        std::vector<unsigned char> in(64);
+        Request r = c.irecv(buf(in), 1, 3);
+        const auto t0 = Clock::now();
+        const std::string msg =
+            expect_error(Errc::kPeerFailed, [&] { r.wait(std::chrono::seconds(20)); });
+        const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+        std::fprintf(stderr, "[rank 0] dead peer detected after %.2f s: %s\n", secs, msg.c_str());
+        CX_CHECK_HAS(msg, "peer 1");
+        CX_CHECK_HAS(msg, "tag 3");
+        // Sends to the dead peer now fail at once rather than hang.
+        std::vector<unsigned char> out(std::size_t{1} << 20);
+        expect_error(Errc::kPeerFailed,
+                     [&] { c.isend(buf(out), 1, 4).wait(std::chrono::seconds(20)); });
+        // Shutdown with a dead peer is bounded by the shutdown timeout.
+        const auto s0 = Clock::now();
+        c.shutdown();
+        CX_CHECK(Clock::now() - s0 < c.options().shutdown_timeout + std::chrono::seconds(1));
+      },
+      o);
 }
 
 // Ranks that finish at different times, with receives still posted, shut down promptly.
@@ -178,21 +184,24 @@ TEST(Failures, BlockedWaiterDoesNotSpin) {
 TEST(Failures, BlockingRecvTimeoutCancels) {
   RunOptions o;
   o.comm.timeout = std::chrono::milliseconds(300);
-  run_ranks(2, [](Communicator& c) {
-    std::vector<unsigned char> first(4, 0), second(4, 0), one(4, 42);
-    if (c.rank() == 1) {
-      CX_CHECK_HAS(expect_error(Errc::kTimeout, [&] { c.recv({buf(first)}, 0, 7); }),
-                   "the operation was cancelled");
-      std::vector<unsigned char> go(1);
-      c.send({buf(go)}, 0, 8);
-      Request r = c.irecv(buf(second), 0, 7);
-      r.wait(std::chrono::seconds(10));
-      CX_CHECK_EQ(int(first[0]), 0);
-      CX_CHECK_EQ(int(second[0]), 42);
-    } else {
-      std::vector<unsigned char> go(1);
-      c.irecv(buf(go), 1, 8).wait(std::chrono::seconds(10));
-      c.send({buf(one)}, 1, 7);
-    }
-  }, o);
+  run_ranks(
+      2,
+      [](Communicator& c) {
+        std::vector<unsigned char> first(4, 0), second(4, 0), one(4, 42);
+        if (c.rank() == 1) {
+          CX_CHECK_HAS(expect_error(Errc::kTimeout, [&] { c.recv({buf(first)}, 0, 7); }),
+                       "the operation was cancelled");
+          std::vector<unsigned char> go(1);
+          c.send({buf(go)}, 0, 8);
+          Request r = c.irecv(buf(second), 0, 7);
+          r.wait(std::chrono::seconds(10));
+          CX_CHECK_EQ(int(first[0]), 0);
+          CX_CHECK_EQ(int(second[0]), 42);
+        } else {
+          std::vector<unsigned char> go(1);
+          c.irecv(buf(go), 1, 8).wait(std::chrono::seconds(10));
+          c.send({buf(one)}, 1, 7);
+        }
+      },
+      o);
 }

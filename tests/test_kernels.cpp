@@ -27,8 +27,8 @@ const std::vector<DataType> kAllTypes = {
     DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,   DataType::kBFloat16,
     DataType::kInt8,    DataType::kInt16,   DataType::kInt32,     DataType::kInt64,
     DataType::kUInt8,   DataType::kBool,    DataType::kComplex64, DataType::kComplex128};
-const std::vector<ReduceOp> kAllOps = {ReduceOp::kSum,  ReduceOp::kProduct, ReduceOp::kMin,
-                                       ReduceOp::kMax,  ReduceOp::kBand,    ReduceOp::kBor,
+const std::vector<ReduceOp> kAllOps = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin,
+                                       ReduceOp::kMax, ReduceOp::kBand,    ReduceOp::kBor,
                                        ReduceOp::kBxor};
 
 bool defined(DataType t, ReduceOp op) {
@@ -50,7 +50,8 @@ double ref_half_to_double(std::uint16_t h) {
   if (exp == 0) {
     v = std::ldexp(man, -24);
   } else if (exp == 31) {
-    v = man == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+    v = man == 0 ? std::numeric_limits<double>::infinity()
+                 : std::numeric_limits<double>::quiet_NaN();
   } else {
     v = std::ldexp(1024 + man, exp - 25);
   }
@@ -63,7 +64,8 @@ double ref_bf16_to_double(std::uint16_t h) {
   if (exp == 0) {
     v = std::ldexp(man, -133);
   } else if (exp == 255) {
-    v = man == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+    v = man == 0 ? std::numeric_limits<double>::infinity()
+                 : std::numeric_limits<double>::quiet_NaN();
   } else {
     v = std::ldexp(128 + man, exp - 134);
   }
@@ -92,7 +94,8 @@ double ref_round_bf16(double x) {
 // Finds the encoding of a value that is exactly representable (reference rounding output), by a
 // table of all 65536 decodings.
 std::uint16_t ref_encode(double v, double (*decode)(std::uint16_t)) {
-  static std::map<double (*)(std::uint16_t), std::unordered_map<std::uint64_t, std::uint16_t>> tables;
+  static std::map<double (*)(std::uint16_t), std::unordered_map<std::uint64_t, std::uint16_t>>
+      tables;
   static std::map<double (*)(std::uint16_t), std::uint16_t> nans;
   auto& table = tables[decode];
   if (table.empty()) {
@@ -129,8 +132,12 @@ template <class T>
 T ref_int(T a, T b, ReduceOp op) {
   const auto x = static_cast<std::int64_t>(a), y = static_cast<std::int64_t>(b);
   switch (op) {
-    case ReduceOp::kSum: return wrap<T>(static_cast<std::int64_t>(static_cast<std::uint64_t>(x) + static_cast<std::uint64_t>(y)));
-    case ReduceOp::kProduct: return wrap<T>(static_cast<std::int64_t>(static_cast<std::uint64_t>(x) * static_cast<std::uint64_t>(y)));
+    case ReduceOp::kSum:
+      return wrap<T>(
+          static_cast<std::int64_t>(static_cast<std::uint64_t>(x) + static_cast<std::uint64_t>(y)));
+    case ReduceOp::kProduct:
+      return wrap<T>(
+          static_cast<std::int64_t>(static_cast<std::uint64_t>(x) * static_cast<std::uint64_t>(y)));
     case ReduceOp::kMin: return a < b ? a : b;
     case ReduceOp::kMax: return a > b ? a : b;
     case ReduceOp::kBand: return static_cast<T>(a & b);
@@ -244,8 +251,9 @@ template <class T>
 void check_int_type(DataType t) {
   const auto a = random_ints<T>(kN), b = random_ints<T>(kN);
   for (ReduceOp op : kAllOps) {
-    check_all_shapes<T>(t, op, a, b, [op](T x, T y) { return ref_int<T>(x, y, op); },
-                        [](T x, T y) { return x == y; });
+    check_all_shapes<T>(
+        t, op, a, b, [op](T x, T y) { return ref_int<T>(x, y, op); },
+        [](T x, T y) { return x == y; });
   }
 }
 
@@ -253,12 +261,13 @@ template <class T>
 void check_float_type(DataType t) {
   const auto a = random_reals<T>(kN), b = random_reals<T>(kN);
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax}) {
-    check_all_shapes<T>(t, op, a, b, [op](T x, T y) { return ref_float<T>(x, y, op); },
-                        [op](T x, T y) {
-                          // MIN/MAX of +0/-0 may return either zero.
-                          if ((op == ReduceOp::kMin || op == ReduceOp::kMax) && x == 0 && y == 0) return true;
-                          return same_value(x, y);
-                        });
+    check_all_shapes<T>(
+        t, op, a, b, [op](T x, T y) { return ref_float<T>(x, y, op); },
+        [op](T x, T y) {
+          // MIN/MAX of +0/-0 may return either zero.
+          if ((op == ReduceOp::kMin || op == ReduceOp::kMax) && x == 0 && y == 0) return true;
+          return same_value(x, y);
+        });
   }
 }
 
@@ -272,7 +281,8 @@ void check_16bit_type(DataType t) {
           // torch: compute in float, round to the 16-bit type (to nearest even).
           const float fx = static_cast<float>(Decode(x)), fy = static_cast<float>(Decode(y));
           const double r = static_cast<double>(ref_float<float>(fx, fy, op));
-          return ref_encode(std::isnan(r) ? std::numeric_limits<double>::quiet_NaN() : Round(r), Decode);
+          return ref_encode(std::isnan(r) ? std::numeric_limits<double>::quiet_NaN() : Round(r),
+                            Decode);
         },
         [op](std::uint16_t x, std::uint16_t y) {
           const double dx = Decode(x), dy = Decode(y);
@@ -315,7 +325,8 @@ TEST(Kernels, CheckReductionAcceptsExactlyTheDefinedPairs) {
   for (DataType t : kAllTypes) {
     for (ReduceOp op : kAllOps) {
       if (defined(t, op)) {
-        EXPECT_NO_THROW(check_reduction("allreduce", t, op)) << dtype_name(t) << " " << reduce_op_name(op);
+        EXPECT_NO_THROW(check_reduction("allreduce", t, op))
+            << dtype_name(t) << " " << reduce_op_name(op);
         continue;
       }
       try {
@@ -420,7 +431,8 @@ TEST(Kernels, Float16ConversionsExhaustive) {
     const std::uint16_t b = ref_encode(half_ulp, ref_half_to_double);
     std::uint16_t out;
     reduce_into(&out, &a, &b, 1, DataType::kFloat16, ReduceOp::kSum);
-    const std::uint16_t even = (h % 2 == 0) ? static_cast<std::uint16_t>(h) : static_cast<std::uint16_t>(h + 1);
+    const std::uint16_t even =
+        (h % 2 == 0) ? static_cast<std::uint16_t>(h) : static_cast<std::uint16_t>(h + 1);
     ASSERT_EQ(out, even) << "tie at " << h;
     ++ties;
   }
@@ -460,9 +472,9 @@ TEST(Kernels, Bool) {
     std::uint8_t want[4];
   };
   const Case cases[] = {
-      {ReduceOp::kSum, {0, 1, 1, 1}},     {ReduceOp::kMax, {0, 1, 1, 1}},
-      {ReduceOp::kBor, {0, 1, 1, 1}},     {ReduceOp::kProduct, {0, 0, 0, 1}},
-      {ReduceOp::kMin, {0, 0, 0, 1}},     {ReduceOp::kBand, {0, 0, 0, 1}},
+      {ReduceOp::kSum, {0, 1, 1, 1}},  {ReduceOp::kMax, {0, 1, 1, 1}},
+      {ReduceOp::kBor, {0, 1, 1, 1}},  {ReduceOp::kProduct, {0, 0, 0, 1}},
+      {ReduceOp::kMin, {0, 0, 0, 1}},  {ReduceOp::kBand, {0, 0, 0, 1}},
       {ReduceOp::kBxor, {0, 1, 1, 0}},
   };
   for (const Case& c : cases) {
@@ -516,7 +528,8 @@ std::string guards_changed_by(const std::function<void(void*, void*, void*)>& fn
   const std::vector<unsigned char>* was[3] = {&before, &before_a, &before_b};
   for (int k = 0; k < 3; ++k) {
     for (std::size_t i = 0; i < kBytes; ++i) {
-      if (buf[k][i] != (*was[k])[i]) return std::string(names[k]) + " byte " + std::to_string(i) + " written";
+      if (buf[k][i] != (*was[k])[i])
+        return std::string(names[k]) + " byte " + std::to_string(i) + " written";
     }
   }
   return "";
@@ -529,9 +542,15 @@ TEST(Kernels, ZeroCountTouchesNothing) {
     for (ReduceOp op : kAllOps) {
       if (!defined(t, op)) continue;
       const std::string what = std::string(dtype_name(t)) + " " + reduce_op_name(op);
-      EXPECT_EQ(guards_changed_by([&](void* d, void* a, void*) { reduce_into(d, a, 0, t, op); }), "") << what;
-      EXPECT_EQ(guards_changed_by([&](void* d, void* a, void* b) { reduce_into(d, a, b, 0, t, op); }), "") << what;
-      EXPECT_EQ(guards_changed_by([&](void* d, void*, void* b) { reduce_into(d, d, b, 0, t, op); }), "") << what;
+      EXPECT_EQ(guards_changed_by([&](void* d, void* a, void*) { reduce_into(d, a, 0, t, op); }),
+                "")
+          << what;
+      EXPECT_EQ(
+          guards_changed_by([&](void* d, void* a, void* b) { reduce_into(d, a, b, 0, t, op); }), "")
+          << what;
+      EXPECT_EQ(guards_changed_by([&](void* d, void*, void* b) { reduce_into(d, d, b, 0, t, op); }),
+                "")
+          << what;
       if (is_floating(t) || is_complex(t)) {
         EXPECT_EQ(guards_changed_by([&](void* d, void*, void*) { scale(d, 0, t, 3.0); }), "")
             << what << " scale";

@@ -37,7 +37,8 @@ INSTANTIATE_TEST_SUITE_P(Packings, MultiBuffer,
                          ::testing::Combine(::testing::Values(Packing::kParts, Packing::kIov),
                                             ::testing::Values(1, 2, 3)),
                          [](const auto& p) {
-                           return std::string(std::get<0>(p.param) == Packing::kIov ? "iov" : "parts") +
+                           return std::string(std::get<0>(p.param) == Packing::kIov ? "iov"
+                                                                                    : "parts") +
                                   "_" + std::to_string(std::get<1>(p.param)) + "ranks";
                          });
 
@@ -49,17 +50,20 @@ TEST(P2P, PackingMismatchIsReported) {
     x.packing = rank == 0 ? Packing::kIov : Packing::kParts;
     return x;
   };
-  run_ranks(2, [](Communicator& c) {
-    std::vector<unsigned char> a(16, 1), b(16, 2);
-    std::vector<Buffer> bufs = {buf(a), buf(b)};
-    if (c.rank() == 0) {
-      c.send(bufs, 1, 4);
-    } else {
-      const std::string msg = expect_error(Errc::kWireMismatch, [&] { c.recv(bufs, 0, 4); });
-      CX_CHECK_HAS(msg, "COMMUX_COALESCE");
-      CX_CHECK_HAS(msg, "peer 0");
-    }
-  }, o);
+  run_ranks(
+      2,
+      [](Communicator& c) {
+        std::vector<unsigned char> a(16, 1), b(16, 2);
+        std::vector<Buffer> bufs = {buf(a), buf(b)};
+        if (c.rank() == 0) {
+          c.send(bufs, 1, 4);
+        } else {
+          const std::string msg = expect_error(Errc::kWireMismatch, [&] { c.recv(bufs, 0, 4); });
+          CX_CHECK_HAS(msg, "COMMUX_COALESCE");
+          CX_CHECK_HAS(msg, "peer 0");
+        }
+      },
+      o);
 }
 
 // Several threads per rank post and wait at once.
@@ -106,11 +110,15 @@ TEST(P2P, ProgressesWhileCallerComputes) {
 TEST(P2P, InvalidArgumentsAreRejected) {
   run_ranks(2, [](Communicator& c) {
     std::vector<unsigned char> v(8);
-    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.isend(buf(v), 2, 1); }), "isend: peer 2");
-    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.isend(buf(v), kAnySource, 1); }), "isend");
-    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.irecv(buf(v), -5, 1); }), "irecv: peer -5");
+    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.isend(buf(v), 2, 1); }),
+                 "isend: peer 2");
+    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.isend(buf(v), kAnySource, 1); }),
+                 "isend");
+    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.irecv(buf(v), -5, 1); }),
+                 "irecv: peer -5");
     CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.isend(buf(v), 0, -1); }), "tag -1");
-    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.irecv(buf(v), 0, std::int64_t{1} << 32); }),
+    CX_CHECK_HAS(expect_error(Errc::kInvalidArgument,
+                              [&] { c.irecv(buf(v), 0, std::int64_t{1} << 32); }),
                  "tag 4294967296");
     CX_CHECK_HAS(expect_error(Errc::kInvalidArgument, [&] { c.isend(Buffer{nullptr, 4}, 0, 1); }),
                  "null");

@@ -22,9 +22,11 @@ constexpr int kMaxWorld = 64;
 TEST(Patterns, HalvingDoublingAndGatherCarryEveryContribution) {
   for (int p = 1; p <= kMaxWorld; p *= 2) {
     // has[q][b]: the newranks whose data rank q holds for block b (recursive halving).
-    std::vector<std::vector<std::set<int>>> has(static_cast<std::size_t>(p), std::vector<std::set<int>>(static_cast<std::size_t>(p)));
+    std::vector<std::vector<std::set<int>>> has(
+        static_cast<std::size_t>(p), std::vector<std::set<int>>(static_cast<std::size_t>(p)));
     for (int q = 0; q < p; ++q) {
-      for (int b = 0; b < p; ++b) has[static_cast<std::size_t>(q)][static_cast<std::size_t>(b)] = {q};
+      for (int b = 0; b < p; ++b)
+        has[static_cast<std::size_t>(q)][static_cast<std::size_t>(b)] = {q};
     }
     std::vector<std::vector<pat::HalvingStep>> steps;
     for (int q = 0; q < p; ++q) steps.push_back(pat::recursive_halving(q, p));
@@ -37,8 +39,10 @@ TEST(Patterns, HalvingDoublingAndGatherCarryEveryContribution) {
         EXPECT_EQ(ps.send_lo, st.keep_lo);  // the partner sends what this rank keeps
         EXPECT_EQ(ps.send_hi, st.keep_hi);
         for (int b = st.keep_lo; b < st.keep_hi; ++b) {
-          const auto& theirs = has[static_cast<std::size_t>(st.partner)][static_cast<std::size_t>(b)];
-          next[static_cast<std::size_t>(q)][static_cast<std::size_t>(b)].insert(theirs.begin(), theirs.end());
+          const auto& theirs =
+              has[static_cast<std::size_t>(st.partner)][static_cast<std::size_t>(b)];
+          next[static_cast<std::size_t>(q)][static_cast<std::size_t>(b)].insert(theirs.begin(),
+                                                                                theirs.end());
         }
       }
       has = next;
@@ -49,7 +53,8 @@ TEST(Patterns, HalvingDoublingAndGatherCarryEveryContribution) {
         EXPECT_EQ(last.back().keep_lo, q);
         EXPECT_EQ(last.back().keep_hi, q + 1);
       }
-      EXPECT_EQ(has[static_cast<std::size_t>(q)][static_cast<std::size_t>(q)].size(), static_cast<std::size_t>(p));
+      EXPECT_EQ(has[static_cast<std::size_t>(q)][static_cast<std::size_t>(q)].size(),
+                static_cast<std::size_t>(p));
     }
     // Recursive doubling allgather: every rank ends with every block.
     std::vector<std::set<int>> blocks(static_cast<std::size_t>(p));
@@ -58,13 +63,15 @@ TEST(Patterns, HalvingDoublingAndGatherCarryEveryContribution) {
       auto next = blocks;
       for (int q = 0; q < p; ++q) {
         const auto st = pat::recursive_doubling_allgather(q, p)[static_cast<std::size_t>(k)];
-        for (int b = st.send_lo; b < st.send_hi; ++b) EXPECT_EQ(blocks[static_cast<std::size_t>(q)].count(b), 1u);
+        for (int b = st.send_lo; b < st.send_hi; ++b)
+          EXPECT_EQ(blocks[static_cast<std::size_t>(q)].count(b), 1u);
         for (int b = st.recv_lo; b < st.recv_hi; ++b) next[static_cast<std::size_t>(q)].insert(b);
         EXPECT_EQ(blocks[static_cast<std::size_t>(st.partner)].count(st.recv_lo), 1u);
       }
       blocks = next;
     }
-    for (int q = 0; q < p; ++q) EXPECT_EQ(blocks[static_cast<std::size_t>(q)].size(), static_cast<std::size_t>(p));
+    for (int q = 0; q < p; ++q)
+      EXPECT_EQ(blocks[static_cast<std::size_t>(q)].size(), static_cast<std::size_t>(p));
     // Gather towards every root: the root ends with every block, each sent by a holder.
     for (int root = 0; root < p; ++root) {
       std::vector<std::set<int>> held(static_cast<std::size_t>(p));
@@ -72,7 +79,8 @@ TEST(Patterns, HalvingDoublingAndGatherCarryEveryContribution) {
       for (int mask = 1, k = 0; mask < p; mask *= 2, ++k) {
         for (int q = 0; q < p; ++q) {
           const auto gs = pat::halving_gather(q, root, p);
-          if (static_cast<std::size_t>(k) >= gs.size() || gs[static_cast<std::size_t>(k)].send) continue;
+          if (static_cast<std::size_t>(k) >= gs.size() || gs[static_cast<std::size_t>(k)].send)
+            continue;
           const auto& st = gs[static_cast<std::size_t>(k)];
           for (int b = st.lo; b < st.hi; ++b) {
             EXPECT_EQ(held[static_cast<std::size_t>(st.partner)].count(b), 1u);
@@ -88,7 +96,8 @@ TEST(Patterns, HalvingDoublingAndGatherCarryEveryContribution) {
 TEST(Patterns, BruckAndBinomialSubtreesCoverEveryRank) {
   for (int n = 1; n <= kMaxWorld; ++n) {
     // slot[r][i]: the block in rank r's slot i (-1: empty).
-    std::vector<std::vector<int>> slot(static_cast<std::size_t>(n), std::vector<int>(static_cast<std::size_t>(n), -1));
+    std::vector<std::vector<int>> slot(static_cast<std::size_t>(n),
+                                       std::vector<int>(static_cast<std::size_t>(n), -1));
     for (int r = 0; r < n; ++r) slot[static_cast<std::size_t>(r)][0] = r;
     const std::size_t steps = pat::bruck(0, n).size();
     for (std::size_t k = 0; k < steps; ++k) {
@@ -105,7 +114,8 @@ TEST(Patterns, BruckAndBinomialSubtreesCoverEveryRank) {
       slot = next;
     }
     for (int r = 0; r < n; ++r) {
-      for (int i = 0; i < n; ++i) EXPECT_EQ(slot[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)], (r + i) % n);
+      for (int i = 0; i < n; ++i)
+        EXPECT_EQ(slot[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)], (r + i) % n);
     }
     for (int root = 0; root < n; ++root) {
       for (int r = 0; r < n; ++r) {
@@ -220,7 +230,8 @@ TEST(Patterns, RecursiveDoublingReachesEveryRank) {
     for (int r = 0; r < n; ++r) {
       if (rd[static_cast<std::size_t>(r)].role == Role::kFoldIn) {
         has[static_cast<std::size_t>(r)].insert(rd[static_cast<std::size_t>(r)].fold_peer);
-        EXPECT_EQ(rd[static_cast<std::size_t>(rd[static_cast<std::size_t>(r)].fold_peer)].role, Role::kFoldOut);
+        EXPECT_EQ(rd[static_cast<std::size_t>(rd[static_cast<std::size_t>(r)].fold_peer)].role,
+                  Role::kFoldOut);
       }
     }
     const std::size_t steps = rd[static_cast<std::size_t>(n - 1)].partners.size();
@@ -232,13 +243,15 @@ TEST(Patterns, RecursiveDoublingReachesEveryRank) {
         ASSERT_EQ(me.partners.size(), steps);
         const int q = me.partners[k];
         EXPECT_EQ(rd[static_cast<std::size_t>(q)].partners[k], r);  // symmetric
-        next[static_cast<std::size_t>(r)].insert(has[static_cast<std::size_t>(q)].begin(), has[static_cast<std::size_t>(q)].end());
+        next[static_cast<std::size_t>(r)].insert(has[static_cast<std::size_t>(q)].begin(),
+                                                 has[static_cast<std::size_t>(q)].end());
       }
       has = next;
     }
     for (int r = 0; r < n; ++r) {
       if (rd[static_cast<std::size_t>(r)].role == Role::kFoldOut) continue;
-      EXPECT_EQ(has[static_cast<std::size_t>(r)].size(), static_cast<std::size_t>(n)) << "n=" << n << " r=" << r;
+      EXPECT_EQ(has[static_cast<std::size_t>(r)].size(), static_cast<std::size_t>(n))
+          << "n=" << n << " r=" << r;
     }
   }
 }

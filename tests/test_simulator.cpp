@@ -62,16 +62,21 @@ struct Caller {
 };
 
 // Integer-valued contribution of rank r to element i (-5 .. 5): sums are exact in every type.
-int val(int r, std::size_t i) { return static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 11) - 5; }
+int val(int r, std::size_t i) {
+  return static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 11) - 5;
+}
 unsigned char byte_of(int from, int to, std::size_t i) {
   return pattern(static_cast<std::uint64_t>(from) * 1000 + static_cast<std::uint64_t>(to + 1), i);
 }
 
 template <class T>
 void expect_equal(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
-  if (got.size() != want.size()) fail(what + ": " + std::to_string(got.size()) + " elements, expected " + std::to_string(want.size()));
+  if (got.size() != want.size())
+    fail(what + ": " + std::to_string(got.size()) + " elements, expected " +
+         std::to_string(want.size()));
   for (std::size_t i = 0; i < got.size(); ++i) {
-    if (!(got[i] == want[i])) fail(what + ": element " + std::to_string(i) + " differs from the serial reference");
+    if (!(got[i] == want[i]))
+      fail(what + ": element " + std::to_string(i) + " differs from the serial reference");
   }
 }
 
@@ -107,7 +112,8 @@ void check_allreduce(Caller& k, std::size_t count, DataType t, ReduceOp op,
   for (std::size_t i = 0; i < count; ++i) buf[i] = contrib(k.r(), i);
   coll::allreduce(k.ctx("allreduce"), buf.data(), count, t, op);
   expect_equal(buf, reference<T>(k.n(), 0, count, t, op, contrib),
-               k.label + " " + dtype_name(t) + " " + reduce_op_name(op) + " count " + std::to_string(count));
+               k.label + " " + dtype_name(t) + " " + reduce_op_name(op) + " count " +
+                   std::to_string(count));
 }
 
 std::function<std::int32_t(int, std::size_t)> int_contrib() {
@@ -119,7 +125,9 @@ void check_reduce(Caller& k, std::size_t count, int root) {
   for (std::size_t i = 0; i < count; ++i) buf[i] = val(k.r(), i);
   coll::reduce(k.ctx("reduce"), buf.data(), count, DataType::kInt32, ReduceOp::kSum, root);
   if (k.r() == root) {
-    expect_equal(buf, reference<std::int32_t>(k.n(), 0, count, DataType::kInt32, ReduceOp::kSum, int_contrib()),
+    expect_equal(buf,
+                 reference<std::int32_t>(k.n(), 0, count, DataType::kInt32, ReduceOp::kSum,
+                                         int_contrib()),
                  k.label + " root " + std::to_string(root));
   }
 }
@@ -144,14 +152,17 @@ void check_allgatherv(Caller& k, const std::vector<std::size_t>& counts) {
   std::vector<unsigned char> in(counts[static_cast<std::size_t>(k.r())]), out(at, 0xEE), want(at);
   for (std::size_t i = 0; i < in.size(); ++i) in[i] = byte_of(k.r(), -1, i);
   for (int p = 0; p < n; ++p) {
-    for (std::size_t i = 0; i < counts[static_cast<std::size_t>(p)]; ++i) want[displs[static_cast<std::size_t>(p)] + i] = byte_of(p, -1, i);
+    for (std::size_t i = 0; i < counts[static_cast<std::size_t>(p)]; ++i)
+      want[displs[static_cast<std::size_t>(p)] + i] = byte_of(p, -1, i);
   }
-  const bool uniform = std::all_of(counts.begin(), counts.end(), [&](std::size_t c) { return c == counts[0]; });
+  const bool uniform =
+      std::all_of(counts.begin(), counts.end(), [&](std::size_t c) { return c == counts[0]; });
   if (uniform) {
     // A plain allgather (rank order).
     std::vector<unsigned char> o(counts[0] * static_cast<std::size_t>(n), 0xEE), w(o.size());
     for (int p = 0; p < n; ++p) {
-      for (std::size_t i = 0; i < counts[0]; ++i) w[static_cast<std::size_t>(p) * counts[0] + i] = byte_of(p, -1, i);
+      for (std::size_t i = 0; i < counts[0]; ++i)
+        w[static_cast<std::size_t>(p) * counts[0] + i] = byte_of(p, -1, i);
     }
     coll::allgather(k.ctx("allgather"), in.data(), counts[0], o.data());
     expect_equal(o, w, k.label + " bytes " + std::to_string(counts[0]));
@@ -163,10 +174,12 @@ void check_allgatherv(Caller& k, const std::vector<std::size_t>& counts) {
 
 void check_gather_scatter(Caller& k, std::size_t bytes, int root) {
   const int n = k.n();
-  std::vector<unsigned char> in(bytes), all(bytes * static_cast<std::size_t>(n), 0xEE), want(all.size());
+  std::vector<unsigned char> in(bytes), all(bytes * static_cast<std::size_t>(n), 0xEE),
+      want(all.size());
   for (std::size_t i = 0; i < bytes; ++i) in[i] = byte_of(k.r(), root, i);
   for (int p = 0; p < n; ++p) {
-    for (std::size_t i = 0; i < bytes; ++i) want[static_cast<std::size_t>(p) * bytes + i] = byte_of(p, root, i);
+    for (std::size_t i = 0; i < bytes; ++i)
+      want[static_cast<std::size_t>(p) * bytes + i] = byte_of(p, root, i);
   }
   coll::gather(k.ctx("gather"), in.data(), bytes, all.data(), root);
   if (k.r() == root) expect_equal(all, want, k.label + " root " + std::to_string(root));
@@ -182,14 +195,18 @@ void check_reduce_scatter(Caller& k, const std::vector<std::size_t>& counts) {
   for (int p = 0; p < k.r(); ++p) first += counts[static_cast<std::size_t>(p)];
   std::vector<std::int32_t> in(total), out(counts[static_cast<std::size_t>(k.r())], -99);
   for (std::size_t i = 0; i < total; ++i) in[i] = val(k.r(), i);
-  coll::reduce_scatter(k.ctx("reduce_scatter"), in.data(), out.data(), counts.data(), DataType::kInt32,
-                       ReduceOp::kSum);
-  expect_equal(out, reference<std::int32_t>(k.n(), first, out.size(), DataType::kInt32, ReduceOp::kSum, int_contrib()),
+  coll::reduce_scatter(k.ctx("reduce_scatter"), in.data(), out.data(), counts.data(),
+                       DataType::kInt32, ReduceOp::kSum);
+  expect_equal(out,
+               reference<std::int32_t>(k.n(), first, out.size(), DataType::kInt32, ReduceOp::kSum,
+                                       int_contrib()),
                k.label);
 }
 
 // Rank s sends (s + 2d + salt) % 3 bytes to rank d (zeros included).
-std::size_t a2a_bytes(int s, int d, int salt) { return static_cast<std::size_t>((s + 2 * d + salt) % 3); }
+std::size_t a2a_bytes(int s, int d, int salt) {
+  return static_cast<std::size_t>((s + 2 * d + salt) % 3);
+}
 
 void check_alltoallv(Caller& k, int salt) {
   const int n = k.n();
@@ -211,7 +228,8 @@ void check_alltoallv(Caller& k, int salt) {
     for (std::size_t i = 0; i < sc[up]; ++i) in[sd[up] + i] = byte_of(k.r(), p, i);
     for (std::size_t i = 0; i < rc[up]; ++i) want[rd[up] + i] = byte_of(p, k.r(), i);
   }
-  coll::alltoallv(k.ctx("alltoallv"), in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data());
+  coll::alltoallv(k.ctx("alltoallv"), in.data(), sc.data(), sd.data(), out.data(), rc.data(),
+                  rd.data());
   expect_equal(out, want, k.label + " salt " + std::to_string(salt));
 }
 
@@ -243,7 +261,8 @@ void every_algorithm(Communicator& comm) {
   each("allgather", [&] {
     check_allgatherv(k, std::vector<std::size_t>(un, 3));
     std::vector<std::size_t> counts(un);
-    for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 3) % 4);
+    for (int p = 0; p < n; ++p)
+      counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 3) % 4);
     check_allgatherv(k, counts);
   });
   each("gather", [&] {
@@ -255,7 +274,8 @@ void every_algorithm(Communicator& comm) {
   each("reduce_scatter", [&] {
     check_reduce_scatter(k, std::vector<std::size_t>(un, 2));
     std::vector<std::size_t> counts(un);
-    for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 5 + 1) % 4);
+    for (int p = 0; p < n; ++p)
+      counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 5 + 1) % 4);
     check_reduce_scatter(k, counts);
   });
   each("alltoall", [&] {
@@ -292,7 +312,8 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, Simulator, ::testing::ValuesIn(sizes_1_to_6
 
 detail::Channel& chan(Communicator& c) { return detail::channel(c); }
 
-Request post_send(Communicator& c, const void* data, std::size_t bytes, int peer, std::uint32_t tag) {
+Request post_send(Communicator& c, const void* data, std::size_t bytes, int peer,
+                  std::uint32_t tag) {
   const Buffer b{const_cast<void*>(data), bytes, MemoryType::kHost};
   return chan(c).post_send(&b, 1, peer, TagKind::kInternal, tag);
 }
@@ -319,11 +340,16 @@ TEST(Loopback, BrokenExchangeIsReportedAsDeadlockOnEveryRank) {
   EXPECT_EQ(w.deadlocks(), 1);
   for (const std::string& e : errors) {
     EXPECT_NE(e.find("deadlock"), std::string::npos) << e;
-    EXPECT_NE(e.find("rank 0 waits for send to peer 1, tag 7 (internal), 4 bytes"), std::string::npos) << e;
-    EXPECT_NE(e.find("rank 1 waits for send to peer 0, tag 7 (internal), 4 bytes"), std::string::npos) << e;
+    EXPECT_NE(e.find("rank 0 waits for send to peer 1, tag 7 (internal), 4 bytes"),
+              std::string::npos)
+        << e;
+    EXPECT_NE(e.find("rank 1 waits for send to peer 0, tag 7 (internal), 4 bytes"),
+              std::string::npos)
+        << e;
   }
   // The sends were left posted (the broken code does not cancel them): shutdown had to.
-  EXPECT_NE(w.unmatched().find("cancelled at shutdown: send to peer 1, tag 7"), std::string::npos) << w.unmatched();
+  EXPECT_NE(w.unmatched().find("cancelled at shutdown: send to peer 1, tag 7"), std::string::npos)
+      << w.unmatched();
   // The same code over an eager world completes: only the rendezvous world catches it.
   LoopbackWorld eager(2, LoopMode::kEager);
   expect_clean(eager, eager.run(send_before_recv));
@@ -343,8 +369,10 @@ TEST(Loopback, CollectiveWaitingForARankThatLeftFailsAsDeadlock) {
   });
   EXPECT_EQ(errors[2], "");
   for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("commux barrier:"), std::string::npos) << errors[static_cast<std::size_t>(r)];
-    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("deadlock"), std::string::npos) << errors[static_cast<std::size_t>(r)];
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("commux barrier:"), std::string::npos)
+        << errors[static_cast<std::size_t>(r)];
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("deadlock"), std::string::npos)
+        << errors[static_cast<std::size_t>(r)];
   }
   EXPECT_GE(w.deadlocks(), 1);
   // The barrier cancelled what it had posted before it threw: nothing is left posted.
@@ -359,7 +387,8 @@ TEST(Loopback, SendNeverReceivedIsUnmatched) {
     if (c.rank() == 0) post_send(c, &x, sizeof x, 1, 3).wait();
   });
   EXPECT_EQ(errors, std::vector<std::string>(2, ""));
-  EXPECT_EQ(w.unmatched(), "never matched: send to peer 1, tag 3 (internal), 4 bytes, rank 0 of 2\n");
+  EXPECT_EQ(w.unmatched(),
+            "never matched: send to peer 1, tag 3 (internal), 4 bytes, rank 0 of 2\n");
 }
 
 TEST(Loopback, MatchingOrderAnySourceTruncationAndBuffers) {
@@ -377,7 +406,9 @@ TEST(Loopback, MatchingOrderAnySourceTruncationAndBuffers) {
       // Zero bytes, then a gathered message of three buffers, then one too long.
       post_send(c, nullptr, 0, 0, 4).wait();
       char p1[] = "ab", p2[] = "cde", p3[] = "f";
-      const Buffer parts[3] = {{p1, 2, MemoryType::kHost}, {p2, 3, MemoryType::kHost}, {p3, 1, MemoryType::kHost}};
+      const Buffer parts[3] = {{p1, 2, MemoryType::kHost},
+                               {p2, 3, MemoryType::kHost},
+                               {p3, 1, MemoryType::kHost}};
       chan(c).post_send(parts, 3, 0, TagKind::kInternal, 5).wait();
       const char big[8] = {};
       post_send(c, big, sizeof big, 0, 6).wait();
@@ -411,12 +442,14 @@ TEST(Loopback, MatchingOrderAnySourceTruncationAndBuffers) {
       char small[4];
       Request t = post_recv(c, small, sizeof small, 1, 6);
       const std::string msg = expect_error(Errc::kTruncated, [&] { t.wait(); });
-      CX_CHECK_HAS(msg, "message from peer 1 with tag 6 is too long: 8 bytes for a receive of 4 bytes");
+      CX_CHECK_HAS(msg,
+                   "message from peer 1 with tag 6 is too long: 8 bytes for a receive of 4 bytes");
       // User-tag traffic of the public API never matches internal traffic of the same number.
       std::int32_t u = 0;
       Request internal = post_recv(c, &u, 4, 2, 9);
       internal.cancel();
-      CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { internal.wait(); }), "canceled (recv from peer 2, tag 9 (internal)");
+      CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { internal.wait(); }),
+                   "canceled (recv from peer 2, tag 9 (internal)");
     }
   });
   EXPECT_EQ(errors, std::vector<std::string>(3, ""));
@@ -440,7 +473,8 @@ TEST(Loopback, WaitRespectsItsTimeout) {
     std::int32_t x = 0;
     Request r = c.irecv(Buffer{&x, 4, MemoryType::kHost}, 1, 3);
     // Rank 1 is still live (not yet left) or gone: either way the wait ends, by timeout or deadlock.
-    const std::string msg = expect_error(Errc::kTimeout, [&] { r.wait(std::chrono::milliseconds(50)); });
+    const std::string msg =
+        expect_error(Errc::kTimeout, [&] { r.wait(std::chrono::milliseconds(50)); });
     CX_CHECK_HAS(msg, "from peer 1, tag 3");
     r.cancel();
   });
@@ -452,13 +486,17 @@ TEST(Loopback, WaitRespectsItsTimeout) {
 
 template <class T>
 void allreduce_every_op(Caller& k, DataType t) {
-  const std::vector<ReduceOp> ops = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax,
-                                     ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};
+  const std::vector<ReduceOp> ops = {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin,
+                                     ReduceOp::kMax, ReduceOp::kBand,    ReduceOp::kBor,
+                                     ReduceOp::kBxor};
   const bool integral = !is_floating(t) && !is_complex(t);
   for (ReduceOp op : ops) {
-    if (!integral && (op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor)) continue;
+    if (!integral && (op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor))
+      continue;
     // Small magnitudes, so products of up to 5 ranks stay exact (and in range for int8).
-    auto contrib = [](int r, std::size_t i) { return static_cast<T>((static_cast<int>(i) + 2 * r) % 5 - 2); };
+    auto contrib = [](int r, std::size_t i) {
+      return static_cast<T>((static_cast<int>(i) + 2 * r) % 5 - 2);
+    };
     for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{37}}) {
       check_allreduce<T>(k, count, t, op, contrib);
     }
@@ -481,10 +519,12 @@ void every_collective(Communicator& comm) {
   }
   check_allgatherv(k, std::vector<std::size_t>(un, 4));
   std::vector<std::size_t> counts(un);
-  for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 3) % 4);
+  for (int p = 0; p < n; ++p)
+    counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 3) % 4);
   check_allgatherv(k, counts);
   check_reduce_scatter(k, std::vector<std::size_t>(un, 3));
-  for (int p = 0; p < n; ++p) counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 5 + 1) % 4);
+  for (int p = 0; p < n; ++p)
+    counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 5 + 1) % 4);
   check_reduce_scatter(k, counts);
   check_alltoallv(k, 0);
   check_alltoallv(k, 2);
@@ -514,7 +554,8 @@ TEST(Loopback, MismatchedSizesFailEveryRank) {
                       counts.data(), displs.data());
     });
     for (std::size_t r = 0; r < errors.size(); ++r) {
-      EXPECT_NE(errors[r].find("commux alltoallv:"), std::string::npos) << "rank " << r << ": " << errors[r];
+      EXPECT_NE(errors[r].find("commux alltoallv:"), std::string::npos)
+          << "rank " << r << ": " << errors[r];
     }
     EXPECT_EQ(w.deadlocks(), 0);
     EXPECT_EQ(w.unmatched().find("never matched: recv"), std::string::npos) << w.unmatched();

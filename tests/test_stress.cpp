@@ -82,7 +82,8 @@ void run_stress(Communicator& c, int count, unsigned seed) {
     const Msg& m = *ops[i].second;
     bufs[i].resize(m.size);
     if (ops[i].first) {
-      for (std::size_t j = 0; j < m.size; ++j) bufs[i][j] = pattern(static_cast<std::uint64_t>(m.id), j);
+      for (std::size_t j = 0; j < m.size; ++j)
+        bufs[i][j] = pattern(static_cast<std::uint64_t>(m.id), j);
       reqs[i] = c.isend(Buffer{bufs[i].data(), m.size}, m.dst, m.tag);
     } else {
       reqs[i] = c.irecv(Buffer{bufs[i].data(), m.size}, m.any_source ? kAnySource : m.src, m.tag);
@@ -98,8 +99,9 @@ void run_stress(Communicator& c, int count, unsigned seed) {
     CX_CHECK_EQ(reqs[i].bytes(), m.size);
     for (std::size_t j = 0; j < m.size; ++j) {
       if (bufs[i][j] != pattern(static_cast<std::uint64_t>(m.id), j)) {
-        check_failed(__FILE__, __LINE__, "message " + std::to_string(m.id) + " byte " +
-                                             std::to_string(j) + " is wrong");
+        check_failed(__FILE__, __LINE__,
+                     "message " + std::to_string(m.id) + " byte " + std::to_string(j) +
+                         " is wrong");
       }
     }
   }

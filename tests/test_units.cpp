@@ -54,7 +54,8 @@ TEST(Tag, EachFieldHasItsOwnBits) {
   f.packing = Packing::kIov;
   EXPECT_EQ(make_tag(f).bits, std::uint64_t{1} << 33);
   // The masks tile the 64 bits with the reserved bit.
-  EXPECT_EQ(kUserMask | kReservedBit | kIovBit | kContinuationBit | kInternalBit | kGroupMask | kRankMask,
+  EXPECT_EQ(kUserMask | kReservedBit | kIovBit | kContinuationBit | kInternalBit | kGroupMask |
+                kRankMask,
             ~std::uint64_t{0});
 }
 
@@ -83,18 +84,20 @@ TEST(Tag, UserTagPolicy) {
 }
 
 TEST(Tag, ReceiveMatching) {
-  auto matches = [](RecvMatch m, TagValue t) { return (t.bits & m.mask.bits) == (m.tag.bits & m.mask.bits); };
+  auto matches = [](RecvMatch m, TagValue t) {
+    return (t.bits & m.mask.bits) == (m.tag.bits & m.mask.bits);
+  };
   TagFields s;
   s.sender = 5;
   s.group = 2;
   s.user = 42;
   const TagValue from5 = make_tag(s);
   EXPECT_TRUE(matches(recv_match(5, 2, TagKind::kUser, false, 42), from5));
-  EXPECT_FALSE(matches(recv_match(4, 2, TagKind::kUser, false, 42), from5));   // other sender
-  EXPECT_FALSE(matches(recv_match(5, 3, TagKind::kUser, false, 42), from5));   // other group
-  EXPECT_FALSE(matches(recv_match(5, 2, TagKind::kUser, false, 43), from5));   // other tag
+  EXPECT_FALSE(matches(recv_match(4, 2, TagKind::kUser, false, 42), from5));      // other sender
+  EXPECT_FALSE(matches(recv_match(5, 3, TagKind::kUser, false, 42), from5));      // other group
+  EXPECT_FALSE(matches(recv_match(5, 2, TagKind::kUser, false, 43), from5));      // other tag
   EXPECT_FALSE(matches(recv_match(5, 2, TagKind::kInternal, false, 42), from5));  // kind
-  EXPECT_TRUE(matches(recv_match(-1, 2, TagKind::kUser, false, 42), from5));   // any source
+  EXPECT_TRUE(matches(recv_match(-1, 2, TagKind::kUser, false, 42), from5));      // any source
   TagFields cont = s;
   cont.continuation = true;
   EXPECT_FALSE(matches(recv_match(-1, 2, TagKind::kUser, false, 42), make_tag(cont)));
@@ -176,10 +179,11 @@ namespace {
 using commux::Accelerator;
 using commux::choose_transports;
 
-const std::vector<std::string> kCudaUcx = {"self", "tcp", "sysv", "posix", "cma", "cuda_copy",
-                                           "cuda_ipc", "gdr_copy"};
+const std::vector<std::string> kCudaUcx = {"self", "tcp",       "sysv",     "posix",
+                                           "cma",  "cuda_copy", "cuda_ipc", "gdr_copy"};
 const std::vector<std::string> kCudaNoIpc = {"self", "tcp", "posix", "cuda_copy"};
-const std::vector<std::string> kRocmUcx = {"self", "tcp", "posix", "rocm_cpy", "rocm_ipc", "rocm_gdr"};
+const std::vector<std::string> kRocmUcx = {"self",     "tcp",      "posix",
+                                           "rocm_cpy", "rocm_ipc", "rocm_gdr"};
 const std::vector<std::string> kZeUcx = {"self", "tcp", "posix", "ze_copy", "ze_ipc"};
 const std::vector<std::string> kHostUcx = {"self", "tcp", "sysv", "posix", "cma"};
 
@@ -375,10 +379,18 @@ TEST(Settings, ParsesValidValues) {
   EXPECT_EQ(s.test_timeout_s, 120);
   EXPECT_EQ(s.text("COMMUX_ALGO_ALLREDUCE"), "ring");
   EXPECT_EQ(s.text("COMMUX_WAKEUP"), "off");
-  const std::vector<std::string> given = {
-      "COMMUX_COALESCE", "COMMUX_GROUP", "COMMUX_SPIN_US", "COMMUX_TIMEOUT_MS",
-      "COMMUX_SHUTDOWN_TIMEOUT_MS", "COMMUX_WAKEUP", "COMMUX_UCX_DEFAULTS", "COMMUX_ATEN_REDUCE",
-      "COMMUX_ALGO_ALLREDUCE", "UCXPG_DEVICE", "COMMUX_BENCH_V", "COMMUX_CUDART"};
+  const std::vector<std::string> given = {"COMMUX_COALESCE",
+                                          "COMMUX_GROUP",
+                                          "COMMUX_SPIN_US",
+                                          "COMMUX_TIMEOUT_MS",
+                                          "COMMUX_SHUTDOWN_TIMEOUT_MS",
+                                          "COMMUX_WAKEUP",
+                                          "COMMUX_UCX_DEFAULTS",
+                                          "COMMUX_ATEN_REDUCE",
+                                          "COMMUX_ALGO_ALLREDUCE",
+                                          "UCXPG_DEVICE",
+                                          "COMMUX_BENCH_V",
+                                          "COMMUX_CUDART"};
   for (const auto& v : s.values) {
     const bool set = std::find(given.begin(), given.end(), v.setting->name) != given.end();
     EXPECT_EQ(v.from_env, set) << v.setting->name;
@@ -390,19 +402,25 @@ TEST(Settings, ParsesValidValues) {
 TEST(Settings, InvalidValuesNameTheVariableAndTheValue) {
   EXPECT_EQ(parse_error({{"COMMUX_WAKEUP", "sometimes"}}),
             "commux settings: COMMUX_WAKEUP='sometimes' is not auto, on or off");
-  EXPECT_NE(parse_error({{"COMMUX_SPIN_US", "-5"}}).find("COMMUX_SPIN_US='-5' is not a non-negative integer"),
+  EXPECT_NE(parse_error({{"COMMUX_SPIN_US", "-5"}})
+                .find("COMMUX_SPIN_US='-5' is not a non-negative integer"),
             std::string::npos);
-  EXPECT_NE(parse_error({{"COMMUX_TIMEOUT_MS", "10s"}}).find("COMMUX_TIMEOUT_MS='10s'"), std::string::npos);
-  EXPECT_NE(parse_error({{"COMMUX_TIMEOUT_MS", "99999999999999999999999"}}).find("non-negative integer"),
+  EXPECT_NE(parse_error({{"COMMUX_TIMEOUT_MS", "10s"}}).find("COMMUX_TIMEOUT_MS='10s'"),
             std::string::npos);
-  EXPECT_NE(parse_error({{"COMMUX_GROUP", "2"}}).find("COMMUX_GROUP='2' is not a boolean"), std::string::npos);
-  EXPECT_NE(parse_error({{"UCXPG_DEVICE", "gpu"}}).find("UCXPG_DEVICE='gpu' is not a device (cpu or cuda)"),
+  EXPECT_NE(
+      parse_error({{"COMMUX_TIMEOUT_MS", "99999999999999999999999"}}).find("non-negative integer"),
+      std::string::npos);
+  EXPECT_NE(parse_error({{"COMMUX_GROUP", "2"}}).find("COMMUX_GROUP='2' is not a boolean"),
+            std::string::npos);
+  EXPECT_NE(parse_error({{"UCXPG_DEVICE", "gpu"}})
+                .find("UCXPG_DEVICE='gpu' is not a device (cpu or cuda)"),
             std::string::npos);
   try {
     parse_env({}).text("COMMUX_NOPE");
     ADD_FAILURE() << "no error for an unknown setting";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'COMMUX_NOPE' is not a commux setting"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("'COMMUX_NOPE' is not a commux setting"),
+              std::string::npos);
   }
 }
 
@@ -417,7 +435,8 @@ TEST(Settings, OptionsFromEnvReadsTheEnvironmentNow) {
     Options::from_env();
     ADD_FAILURE() << "no error for COMMUX_WAKEUP=x";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("COMMUX_WAKEUP='x' is not auto, on or off"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("COMMUX_WAKEUP='x' is not auto, on or off"),
+              std::string::npos);
   }
   ::unsetenv("COMMUX_WAKEUP");
   ::unsetenv("COMMUX_GROUP");

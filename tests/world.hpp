@@ -21,8 +21,9 @@ namespace commux::test {
 // failure ("" if its body returned; else the exception's what()). Never hangs: ranks still
 // running after `limit` make it print which ones and abort the process (a thread cannot be
 // stopped safely, and the test run must end).
-inline std::vector<std::string> run_threads(int n, const std::function<void(int rank)>& body,
-                                            std::chrono::seconds limit = std::chrono::seconds(120)) {
+inline std::vector<std::string> run_threads(
+    int n, const std::function<void(int rank)>& body,
+    std::chrono::seconds limit = std::chrono::seconds(120)) {
   struct Shared {
     std::mutex mu;
     std::condition_variable cv;

@@ -13,7 +13,8 @@ namespace {
 void print_list(const char* title, const std::vector<std::string>& items) {
   std::printf("%-22s", title);
   if (items.empty()) std::printf(" (none)");
-  for (std::size_t i = 0; i < items.size(); ++i) std::printf("%s%s", i ? ", " : " ", items[i].c_str());
+  for (std::size_t i = 0; i < items.size(); ++i)
+    std::printf("%s%s", i ? ", " : " ", items[i].c_str());
   std::printf("\n");
 }
 

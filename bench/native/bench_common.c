@@ -10,7 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const size_t kDefaultSizes[] = {8,         64,        512,        4 << 10,    64 << 10,
+static const size_t kDefaultSizes[] = {8,         64,       512,      4 << 10,   64 << 10,
                                        256 << 10, 1u << 20, 4u << 20, 16u << 20, 64u << 20};
 enum { kDefaultReps = 9, kQuickReps = 3, kQuickDivisor = 8, kDefaultTimeoutS = 120 };
 static const uint64_t kGolden = 0x9E3779B97F4A7C15ull;
@@ -42,9 +42,18 @@ size_t bench_parse_size(const char* text, const char** end) {
   if (stop == text || errno != 0) return 0;
   unsigned shift = 0;
   switch (toupper((unsigned char)*stop)) {
-    case 'K': shift = 10; ++stop; break;
-    case 'M': shift = 20; ++stop; break;
-    case 'G': shift = 30; ++stop; break;
+    case 'K':
+      shift = 10;
+      ++stop;
+      break;
+    case 'M':
+      shift = 20;
+      ++stop;
+      break;
+    case 'G':
+      shift = 30;
+      ++stop;
+      break;
     default: break;
   }
   *end = stop;
@@ -209,9 +218,9 @@ uint64_t bench_check_edges(const void* buf, size_t size, uint64_t key) {
 }
 
 uint64_t bench_check(const void* buf, size_t size, uint64_t body_key, uint64_t edge_key) {
-  return bench_check_edges(buf, size, edge_key) +
-         check_range((const unsigned char*)buf, edge_head(size), edge_tail(size),
-                     base_of(body_key, size));
+  return bench_check_edges(buf, size, edge_key) + check_range((const unsigned char*)buf,
+                                                              edge_head(size), edge_tail(size),
+                                                              base_of(body_key, size));
 }
 
 void* bench_slot(void* slab, const bench_plan* p, long iter) {

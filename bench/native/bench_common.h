@@ -43,8 +43,8 @@ typedef struct {
   size_t sizes[BENCH_MAX_SIZES];
   int nsizes;
   int reps;
-  int quick;          /* fewer iterations (smoke tests) */
-  int timeout_s;      /* watchdog */
+  int quick;             /* fewer iterations (smoke tests) */
+  int timeout_s;         /* watchdog */
   const char* json_path; /* NULL: JSON to stdout */
 } bench_args;
 

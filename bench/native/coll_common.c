@@ -10,11 +10,11 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char* const kOpNames[COLL_NOPS] = {"p2p",       "allreduce",      "broadcast",
-                                                "reduce",    "allgather",      "reduce_scatter",
-                                                "alltoall",  "barrier"};
-static const size_t kDefaultSizes[] = {8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 2 << 20,
-                                       16 << 20, 64 << 20};
+static const char* const kOpNames[COLL_NOPS] = {"p2p",      "allreduce", "broadcast",
+                                                "reduce",   "allgather", "reduce_scatter",
+                                                "alltoall", "barrier"};
+static const size_t kDefaultSizes[] = {8,         64,      512,      4 << 10, 32 << 10,
+                                       256 << 10, 2 << 20, 16 << 20, 64 << 20};
 
 const char* coll_op_name(coll_op op) { return op < COLL_NOPS ? kOpNames[op] : "?"; }
 
@@ -251,8 +251,7 @@ uint64_t coll_check(coll_op op, int rank, int nranks, const coll_shape* s, const
       }
       break;
     case COLL_BARRIER:
-    case COLL_NOPS:
-      break;
+    case COLL_NOPS: break;
   }
   return wrong;
 }
@@ -265,8 +264,7 @@ void coll_prepare_check(coll_op op, int rank, const coll_shape* s, float* in, fl
   } else {
     coll_fill(in, op == COLL_ALLGATHER ? s->chunk : s->count, rank, 0, salt);
   }
-  if (op == COLL_P2P || op == COLL_ALLGATHER || op == COLL_REDUCE_SCATTER ||
-      op == COLL_ALLTOALL) {
+  if (op == COLL_P2P || op == COLL_ALLGATHER || op == COLL_REDUCE_SCATTER || op == COLL_ALLTOALL) {
     coll_poison(out, op == COLL_REDUCE_SCATTER ? s->chunk : s->count);
   }
 }
@@ -355,8 +353,10 @@ int coll_write_json(const char* path, const char* program, const char* backend, 
     fputs(i > 0 ? ",\n  " : "\n  ", f);
     fputs("{\"op\": ", f);
     bench_json_string(f, coll_op_name(r->op));
-    fprintf(f, ", \"bytes\": %zu, \"count\": %zu, \"iters\": %ld, \"warmup\": %ld, \"reps\": %d, "
-               "\"times_us\": [", r->bytes, r->count, r->iters, r->warmup, r->reps);
+    fprintf(f,
+            ", \"bytes\": %zu, \"count\": %zu, \"iters\": %ld, \"warmup\": %ld, \"reps\": %d, "
+            "\"times_us\": [",
+            r->bytes, r->count, r->iters, r->warmup, r->reps);
     for (int k = 0; k < r->reps; ++k) fprintf(f, "%s%.6g", k > 0 ? ", " : "", r->times_us[k]);
     fprintf(f, "], \"wrong\": %" PRIu64 "}", r->wrong);
   }

@@ -47,8 +47,13 @@ typedef enum {
   COLL_NOPS
 } coll_op;
 
-enum { COLL_MAX_SIZES = 64, COLL_MAX_REPS = 64, COLL_EXIT_OK = 0, COLL_EXIT_WRONG = 1,
-       COLL_EXIT_ERROR = 2 };
+enum {
+  COLL_MAX_SIZES = 64,
+  COLL_MAX_REPS = 64,
+  COLL_EXIT_OK = 0,
+  COLL_EXIT_WRONG = 1,
+  COLL_EXIT_ERROR = 2
+};
 
 const char* coll_op_name(coll_op op);
 
@@ -57,16 +62,16 @@ typedef struct {
   int nops;
   size_t sizes[COLL_MAX_SIZES];
   int nsizes;
-  int reps;            /* timed repetitions (at most COLL_MAX_REPS) */
-  int min_reps;        /* the budget may lower reps down to this */
-  long warmup;         /* warm-up iterations; 0: iters / 10, 1 .. 10 */
-  size_t rep_bytes;    /* iterations per repetition: rep_bytes / bytes, clamped */
+  int reps;         /* timed repetitions (at most COLL_MAX_REPS) */
+  int min_reps;     /* the budget may lower reps down to this */
+  long warmup;      /* warm-up iterations; 0: iters / 10, 1 .. 10 */
+  size_t rep_bytes; /* iterations per repetition: rep_bytes / bytes, clamped */
   long min_iters;
   long max_iters;
-  double budget_ms;    /* the timed repetitions of one (op, size) together, roughly */
-  unsigned salt;       /* varies the checked values between runs */
-  int timeout_s;       /* watchdog of the whole run */
-  int np;              /* ranks (commux_coll_bench forks them; mpi_coll takes MPI's) */
+  double budget_ms; /* the timed repetitions of one (op, size) together, roughly */
+  unsigned salt;    /* varies the checked values between runs */
+  int timeout_s;    /* watchdog of the whole run */
+  int np;           /* ranks (commux_coll_bench forks them; mpi_coll takes MPI's) */
   const char* json_path;
 } coll_args;
 
@@ -134,7 +139,6 @@ typedef struct {
  * `in` and `out` hold at least coll_make_shape(op, size, n).count elements. */
 coll_row coll_run_size(const coll_args* a, const coll_backend* b, coll_op op, int size_index,
                        float* in, float* out);
-
 
 /* {"program", "backend", "world", "info": {...}, "rows": [...]} to path (stdout when NULL). */
 int coll_write_json(const char* path, const char* program, const char* backend, int world,

@@ -225,8 +225,7 @@ double stream_rank0(Communicator& c, const bench_plan& p, int rep, Slab& out) {
   return (t1 - t0) / static_cast<double>(p.iters);
 }
 
-double stream_rank1(Communicator& c, const bench_plan& p, int rep, Slab& in,
-                    std::uint64_t& wrong) {
+double stream_rank1(Communicator& c, const bench_plan& p, int rep, Slab& in, std::uint64_t& wrong) {
   bench_poison(in.data(), in.bytes());
   std::vector<Request> window(static_cast<std::size_t>(p.window));
   for (long i = 0; i < p.window; ++i) {
@@ -260,8 +259,8 @@ double p2p_rep(Communicator& c, Mode mode, const bench_plan& p, int rep, Slab& a
 bench_plan p2p_plan(const Config& cfg, std::size_t size) {
   const long by_bytes = std::max<long>(1, static_cast<long>(kDefaultWindowBytes / size));
   const long window = cfg.mode != Mode::kStream ? 1
-                      : cfg.window > 0         ? cfg.window
-                                               : std::min(kDefaultWindow, by_bytes);
+                      : cfg.window > 0          ? cfg.window
+                                                : std::min(kDefaultWindow, by_bytes);
   return bench_make_plan(&cfg.common, size, BENCH_P2P_REP_BYTES, BENCH_P2P_MAX_ITERS, window);
 }
 

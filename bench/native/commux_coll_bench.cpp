@@ -73,15 +73,11 @@ void run(void* p, coll_op op, const coll_shape* s, float* in, float* out) {
     case COLL_ALLREDUCE:
       coll::allreduce(r.ctx("allreduce"), in, s->count, DataType::kFloat32, ReduceOp::kSum);
       break;
-    case COLL_BROADCAST:
-      coll::broadcast(r.ctx("broadcast"), in, bytes, 0);
-      break;
+    case COLL_BROADCAST: coll::broadcast(r.ctx("broadcast"), in, bytes, 0); break;
     case COLL_REDUCE:
       coll::reduce(r.ctx("reduce"), in, s->count, DataType::kFloat32, ReduceOp::kSum, 0);
       break;
-    case COLL_ALLGATHER:
-      coll::allgather(r.ctx("allgather"), in, chunk, out);
-      break;
+    case COLL_ALLGATHER: coll::allgather(r.ctx("allgather"), in, chunk, out); break;
     case COLL_REDUCE_SCATTER: {
       const std::vector<std::size_t> counts(static_cast<std::size_t>(n), s->chunk);
       coll::reduce_scatter(r.ctx("reduce_scatter"), in, out, counts.data(), DataType::kFloat32,
@@ -96,9 +92,7 @@ void run(void* p, coll_op op, const coll_shape* s, float* in, float* out) {
       break;
     }
     case COLL_BARRIER:
-    case COLL_NOPS:
-      coll::barrier(r.ctx("barrier"));
-      break;
+    case COLL_NOPS: coll::barrier(r.ctx("barrier")); break;
   }
 }
 
@@ -166,10 +160,11 @@ int rank_main(const coll_args& a, const std::string& dir, int rank) {
     const std::string transports = join(ri.transports, ",");
     const std::string settings = join(ri.user_settings, " ");
     const std::string defaults = join(ri.applied_defaults, " ");
-    const char* info[] = {"ucx_version", ri.ucx_version.c_str(), "transports", transports.c_str(),
-                          "ucx_settings", settings.c_str(), "commux_defaults", defaults.c_str()};
-    if (coll_write_json(a.json_path, "commux_coll_bench", "commux-cpp", a.np, info, 4,
-                        rows.data(), static_cast<int>(rows.size())) != 0) {
+    const char* info[] = {"ucx_version",      ri.ucx_version.c_str(), "transports",
+                          transports.c_str(), "ucx_settings",         settings.c_str(),
+                          "commux_defaults",  defaults.c_str()};
+    if (coll_write_json(a.json_path, "commux_coll_bench", "commux-cpp", a.np, info, 4, rows.data(),
+                        static_cast<int>(rows.size())) != 0) {
       return COLL_EXIT_ERROR;
     }
     return wrong > 0 ? COLL_EXIT_WRONG : COLL_EXIT_OK;
@@ -204,7 +199,8 @@ int wait_ranks(const std::vector<pid_t>& pids, int timeout_s) {
       int status = 0;
       if (codes[r] >= 0 || waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
       codes[r] = child_status(static_cast<int>(r), status);
-      if (codes[r] == COLL_EXIT_ERROR) deadline = std::min(deadline, bench_now_us() + kGraceS * 1e6);
+      if (codes[r] == COLL_EXIT_ERROR)
+        deadline = std::min(deadline, bench_now_us() + kGraceS * 1e6);
     }
     if (bench_now_us() > deadline) {
       for (std::size_t r = 0; r < pids.size(); ++r) {

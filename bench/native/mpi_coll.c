@@ -37,9 +37,7 @@ static void run(void* ctx, coll_op op, const coll_shape* s, float* in, float* ou
     case COLL_ALLREDUCE:
       MPI_Allreduce(MPI_IN_PLACE, in, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       break;
-    case COLL_BROADCAST:
-      MPI_Bcast(in, count, MPI_FLOAT, 0, MPI_COMM_WORLD);
-      break;
+    case COLL_BROADCAST: MPI_Bcast(in, count, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
     case COLL_REDUCE:
       MPI_Reduce(c->rank == 0 ? MPI_IN_PLACE : in, c->rank == 0 ? in : NULL, count, MPI_FLOAT,
                  MPI_SUM, 0, MPI_COMM_WORLD);
@@ -54,9 +52,7 @@ static void run(void* ctx, coll_op op, const coll_shape* s, float* in, float* ou
       MPI_Alltoall(in, chunk, MPI_FLOAT, out, chunk, MPI_FLOAT, MPI_COMM_WORLD);
       break;
     case COLL_BARRIER:
-    case COLL_NOPS:
-      MPI_Barrier(MPI_COMM_WORLD);
-      break;
+    case COLL_NOPS: MPI_Barrier(MPI_COMM_WORLD); break;
   }
 }
 

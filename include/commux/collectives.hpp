@@ -27,9 +27,18 @@
 namespace commux {
 
 enum class DataType : std::uint8_t {
-  kFloat32, kFloat64, kFloat16, kBFloat16,
-  kInt8, kInt16, kInt32, kInt64, kUInt8, kBool,
-  kComplex64, kComplex128,
+  kFloat32,
+  kFloat64,
+  kFloat16,
+  kBFloat16,
+  kInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kUInt8,
+  kBool,
+  kComplex64,
+  kComplex128,
 };
 
 // Reductions the kernels apply element-wise (dst = dst OP src). AVG and PREMUL_SUM are built above
@@ -40,7 +49,7 @@ enum class ReduceOp : std::uint8_t { kSum, kProduct, kMin, kMax, kBand, kBor, kB
 std::size_t dtype_size(DataType t) noexcept;
 const char* dtype_name(DataType t) noexcept;
 const char* reduce_op_name(ReduceOp op) noexcept;
-bool is_floating(DataType t) noexcept;   // float16/bfloat16/float32/float64
+bool is_floating(DataType t) noexcept;  // float16/bfloat16/float32/float64
 bool is_complex(DataType t) noexcept;
 
 // Throws Error(kInvalidArgument, "commux <op_name>: ReduceOp MIN is not defined for complex64 ...")
@@ -51,7 +60,8 @@ void check_reduction(const char* op_name, DataType t, ReduceOp op);
 // round to nearest even, like torch.
 void reduce_into(void* dst, const void* src, std::size_t count, DataType t, ReduceOp op);
 // out[i] = a[i] OP b[i] (out may alias a or b).
-void reduce_into(void* out, const void* a, const void* b, std::size_t count, DataType t, ReduceOp op);
+void reduce_into(void* out, const void* a, const void* b, std::size_t count, DataType t,
+                 ReduceOp op);
 // buf[i] *= factor (floating and complex types only; AVG divides, PREMUL_SUM pre-scales).
 void scale(void* buf, std::size_t count, DataType t, double factor);
 

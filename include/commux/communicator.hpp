@@ -110,18 +110,19 @@ class Request {
  private:
   friend class Communicator;
   friend Request detail::make_request(std::shared_ptr<detail::RequestState> state) noexcept;
-  explicit Request(std::shared_ptr<detail::RequestState> state) noexcept : state_(std::move(state)) {}
+  explicit Request(std::shared_ptr<detail::RequestState> state) noexcept
+      : state_(std::move(state)) {}
   std::shared_ptr<detail::RequestState> state_;
 };
 
 // Facts about the UCX in use, for diagnostics (`commux_info`, the benchmark, python -m commux.info).
 struct RuntimeInfo {
-  std::string ucx_version;                 // of the library actually loaded
-  std::vector<std::string> transports;     // transports UCX can use in this process
-  std::vector<std::string> memory_types;   // memory types the context supports
+  std::string ucx_version;                    // of the library actually loaded
+  std::vector<std::string> transports;        // transports UCX can use in this process
+  std::vector<std::string> memory_types;      // memory types the context supports
   std::vector<std::string> applied_defaults;  // commux's UCX settings in effect ("NAME=value")
   std::vector<std::string> user_settings;     // UCX_* variables from the environment (they win)
-  bool event_fd = false;                   // waits sleep on the worker's fd (else yielding poll)
+  bool event_fd = false;                      // waits sleep on the worker's fd (else yielding poll)
 };
 
 // What UCX offers this process with these options: starts a one-rank communicator on a throw-away

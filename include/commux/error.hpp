@@ -33,11 +33,11 @@ const char* errc_name(Errc code) noexcept;
 
 // What an error is about. Every field is optional: unset means "not known here".
 struct ErrorSite {
-  std::string op;                      // "send", "allreduce", "init", ... ("" = none)
-  std::optional<int> peer;             // the peer rank (kAnySource = -1 for an any-source receive)
-  std::optional<std::uint64_t> tag;    // the tag the operation was posted with
-  std::optional<std::size_t> bytes;    // the bytes posted (the receive capacity, the send size)
-  std::string group;                   // the group: core's group id, a torch group's name ("" = none)
+  std::string op;                    // "send", "allreduce", "init", ... ("" = none)
+  std::optional<int> peer;           // the peer rank (kAnySource = -1 for an any-source receive)
+  std::optional<std::uint64_t> tag;  // the tag the operation was posted with
+  std::optional<std::size_t> bytes;  // the bytes posted (the receive capacity, the send size)
+  std::string group;                 // the group: core's group id, a torch group's name ("" = none)
 };
 
 class Error : public std::runtime_error {

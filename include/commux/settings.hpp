@@ -42,14 +42,14 @@ struct Settings {
   bool ucx_defaults = true;                                    // COMMUX_UCX_DEFAULTS
   bool aten_reduce = false;                                    // COMMUX_ATEN_REDUCE
   // Once per process.
-  bool ep_aten = false;     // COMMUX_EP_ATEN
-  bool device_cuda = false; // UCXPG_DEVICE=cuda (test driver)
-  bool bench = false;       // COMMUX_BENCH (test driver)
-  long bench_v = 1;         // COMMUX_BENCH_V (test driver)
-  long bench_bytes = 8;     // COMMUX_BENCH_BYTES (test driver)
-  long bench_iters = 20000; // COMMUX_BENCH_ITERS (test driver)
+  bool ep_aten = false;       // COMMUX_EP_ATEN
+  bool device_cuda = false;   // UCXPG_DEVICE=cuda (test driver)
+  bool bench = false;         // COMMUX_BENCH (test driver)
+  long bench_v = 1;           // COMMUX_BENCH_V (test driver)
+  long bench_bytes = 8;       // COMMUX_BENCH_BYTES (test driver)
+  long bench_iters = 20000;   // COMMUX_BENCH_ITERS (test driver)
   long test_timeout_s = 120;  // COMMUX_TEST_TIMEOUT_S (test driver)
-  std::string cudart;       // COMMUX_CUDART (test driver), "" = search
+  std::string cudart;         // COMMUX_CUDART (test driver), "" = search
 
   // The value of each row of settings_table(), same order: its text (the environment's, else the
   // default) and where it came from.

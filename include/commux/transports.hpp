@@ -41,8 +41,9 @@ struct TransportChoice {
 // `available`: transport names the local UCX has, independent of UCX_TLS (UCX's own names, e.g.
 // "rocm_cpy" for rocm_copy). `user_tls`: the UCX_TLS value, nullptr when unset. `other`: the
 // device type's name for kUnknown (e.g. "mps"), used in the warning.
-TransportChoice choose_transports(Accelerator accelerator, const std::vector<std::string>& available,
-                                  const char* user_tls, const std::string& other = "");
+TransportChoice choose_transports(Accelerator accelerator,
+                                  const std::vector<std::string>& available, const char* user_tls,
+                                  const std::string& other = "");
 
 // Transports the local UCX has, whatever UCX_TLS says (starts and closes a UCX context).
 std::vector<std::string> ucx_available_transports();

@@ -21,8 +21,16 @@ namespace commux::coll::detail {
 // ---- the collectives and their arguments -------------------------------------------------------
 
 enum class Coll : int {
-  kAllreduce, kBroadcast, kReduce, kAllgather, kReduceScatter, kAlltoall, kBarrier, kGather,
-  kScatter, kCount
+  kAllreduce,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kReduceScatter,
+  kAlltoall,
+  kBarrier,
+  kGather,
+  kScatter,
+  kCount
 };
 const char* coll_name(Coll c);  // "allreduce", "reduce_scatter", ...
 
@@ -125,7 +133,8 @@ const Table<RootedArgs>& scatter_table();
 // `source` says where it came from, for error messages.
 std::string forced_name(const Context& ctx, Coll c, const char** source);
 void set_last_algorithm(const char* name) noexcept;
-[[noreturn]] void unknown_algorithm(const Context& ctx, Coll c, const char* name, const char* source);
+[[noreturn]] void unknown_algorithm(const Context& ctx, Coll c, const char* name,
+                                    const char* source);
 
 // The algorithm to run: the forced one if it exists and accepts the call, else the selector's
 // choice `preferred` (which must accept), else the first that accepts. Unknown forced names throw
@@ -139,7 +148,9 @@ const Algorithm<A>& choose(const Context& ctx, const Table<A>& tab, int n, const
     }
     return nullptr;
   };
-  auto ok = [&](const Algorithm<A>* al) { return al != nullptr && (al->accepts == nullptr || al->accepts(n, a)); };
+  auto ok = [&](const Algorithm<A>* al) {
+    return al != nullptr && (al->accepts == nullptr || al->accepts(n, a));
+  };
   const char* source = nullptr;
   const Algorithm<A>* chosen = nullptr;
   const std::string forced = forced_name(ctx, tab.coll, &source);
@@ -159,8 +170,8 @@ const Algorithm<A>& choose(const Context& ctx, const Table<A>& tab, int n, const
 // ---- the algorithms (one translation unit each under algo/) -------------------------------------
 
 namespace algo {
-extern const Algorithm<AllreduceArgs> allreduce_recursive_doubling, allreduce_halves, allreduce_ring,
-    allreduce_rabenseifner;
+extern const Algorithm<AllreduceArgs> allreduce_recursive_doubling, allreduce_halves,
+    allreduce_ring, allreduce_rabenseifner;
 extern const Algorithm<BroadcastArgs> broadcast_binomial, broadcast_scatter_allgather;
 extern const Algorithm<ReduceArgs> reduce_binomial, reduce_rabenseifner;
 extern const Algorithm<AllgatherArgs> allgather_ring, allgather_recursive_doubling, allgather_bruck;
@@ -194,7 +205,8 @@ std::pair<std::size_t, std::size_t> halving_first_keep(const std::size_t* off, i
 // Recursive doubling allgather among the p = pow2_floor(n) ranks left after the fold, newrank q:
 // block b is bytes [boff[b], boff[b+1]) of base (p + 1 offsets, memory type mem); the rank holds
 // block q and ends with all. Received sizes are checked.
-void doubling_allgather(Exchange& ex, char* base, const std::size_t* boff, int q, int n, MemoryType mem);
+void doubling_allgather(Exchange& ex, char* base, const std::size_t* boff, int q, int n,
+                        MemoryType mem);
 
 // The fold of the ranks beyond the largest power of two (rabenseifner allreduce and reduce): a
 // kFoldIn rank receives its partner's whole buffer (checked) and reduces it into `buf`, the

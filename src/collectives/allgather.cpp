@@ -13,17 +13,20 @@ void allgatherv(const Context& ctx, const void* in, void* out, const std::size_t
                 const std::size_t* displs) {
   detail::Exchange ex(ctx);
   const int n = ex.size(), r = ex.rank();
-  if (counts == nullptr || displs == nullptr) detail::Exchange::invalid(ctx, "counts/displs are null");
+  if (counts == nullptr || displs == nullptr)
+    detail::Exchange::invalid(ctx, "counts/displs are null");
   const auto me = static_cast<std::size_t>(r);
   std::size_t total = 0;
   bool uniform = true;
   for (int p = 0; p < n; ++p) {
     total += counts[p];
-    uniform = uniform && counts[p] == counts[0] && displs[p] == static_cast<std::size_t>(p) * counts[0];
+    uniform =
+        uniform && counts[p] == counts[0] && displs[p] == static_cast<std::size_t>(p) * counts[0];
   }
   detail::check_ptr(ctx, in, counts[me], "in");
   detail::check_ptr(ctx, out, total, "out");
-  const detail::AllgatherArgs a{static_cast<const char*>(in), static_cast<char*>(out), counts, displs, uniform};
+  const detail::AllgatherArgs a{static_cast<const char*>(in), static_cast<char*>(out), counts,
+                                displs, uniform};
   const char* pick = "ring";
   if (uniform && total < detail::kAllgatherSmallBytes) {
     pick = pattern::is_pow2(n) ? "recursive_doubling" : "bruck";

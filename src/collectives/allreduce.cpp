@@ -16,7 +16,8 @@ namespace {
 
 const char* select(int n, const detail::AllreduceArgs& a) {
   const std::size_t bytes = a.count * dtype_size(a.t);
-  if (bytes < detail::kAllreduceSmallBytes || a.count < static_cast<std::size_t>(n)) return "recursive_doubling";
+  if (bytes < detail::kAllreduceSmallBytes || a.count < static_cast<std::size_t>(n))
+    return "recursive_doubling";
   if (n == 2) return "halves";
   if (pattern::is_pow2(n) && bytes < detail::kAllreduceRabenseifnerBytes) return "rabenseifner";
   return "ring";

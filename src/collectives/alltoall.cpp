@@ -25,13 +25,12 @@ void alltoallv(const Context& ctx, const void* in, const std::size_t* send_count
   detail::check_ptr(ctx, in, in_end, "in");
   detail::check_ptr(ctx, out, out_end, "out");
   if (send_counts[me] != recv_counts[me]) {
-    detail::Exchange::invalid(ctx, "rank " + std::to_string(r) + " sends " +
-                                       std::to_string(send_counts[me]) +
-                                       " bytes to itself but expects to receive " +
-                                       std::to_string(recv_counts[me]));
+    detail::Exchange::invalid(
+        ctx, "rank " + std::to_string(r) + " sends " + std::to_string(send_counts[me]) +
+                 " bytes to itself but expects to receive " + std::to_string(recv_counts[me]));
   }
   const detail::AlltoallArgs a{static_cast<const char*>(in), send_counts, send_displs,
-                               static_cast<char*>(out), recv_counts, recv_displs};
+                               static_cast<char*>(out),      recv_counts, recv_displs};
   const auto& algo = detail::choose(ctx, detail::alltoall_table(), n, a, "pairwise");
   algo.run(ex, a);
 }

@@ -33,7 +33,8 @@ struct Pool {
   std::pair<std::size_t, std::unique_ptr<char[]>> take(std::size_t bytes) {
     std::size_t best = bufs.size();
     for (std::size_t i = 0; i < bufs.size(); ++i) {
-      if (bufs[i].first >= bytes && (best == bufs.size() || bufs[i].first < bufs[best].first)) best = i;
+      if (bufs[i].first >= bytes && (best == bufs.size() || bufs[i].first < bufs[best].first))
+        best = i;
     }
     if (best == bufs.size()) {
       return {bytes, std::unique_ptr<char[]>(new char[std::max<std::size_t>(bytes, 1)])};
@@ -47,7 +48,8 @@ struct Pool {
   // Keeps the buffer if it fits, evicting the smallest cached ones to make room.
   void give(std::size_t size, std::unique_ptr<char[]> data) {
     if (size > kPoolBytes || size == 0) return;
-    std::sort(bufs.begin(), bufs.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::sort(bufs.begin(), bufs.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
     while (total + size > kPoolBytes && !bufs.empty()) {
       total -= bufs.front().first;
       bufs.erase(bufs.begin());
@@ -84,7 +86,9 @@ void reap_parked() {
                p.lots.end());
 }
 
-const char* op_or_default(const char* op) { return op != nullptr && *op != '\0' ? op : "collective"; }
+const char* op_or_default(const char* op) {
+  return op != nullptr && *op != '\0' ? op : "collective";
+}
 
 }  // namespace
 
@@ -209,7 +213,8 @@ void Exchange::copy(void* dst, MemoryType dst_mem, const void* src, MemoryType s
 
 std::string Exchange::cleanup_note() const {
   if (stuck_ == 0) return "";
-  return "; " + std::to_string(stuck_) + " of its requests did not finish after cancel() and stay "
+  return "; " + std::to_string(stuck_) +
+         " of its requests did not finish after cancel() and stay "
          "posted (a rendezvous send to a peer that never received it): the communicator should be "
          "shut down before the buffers are freed";
 }
@@ -231,7 +236,8 @@ void Exchange::rethrow(const Error& e) {
   site.op = ctx_.op_name;
   std::string msg = e.describe();
   if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
-  if (e.code() == Errc::kTimeout && stuck_ == 0) msg += "; the collective's requests were cancelled";
+  if (e.code() == Errc::kTimeout && stuck_ == 0)
+    msg += "; the collective's requests were cancelled";
   if (e.code() == Errc::kTruncated) msg += "; the ranks' sizes disagree";
   throw Error(e.code(), std::move(site), msg + cleanup_note());
 }

@@ -52,12 +52,20 @@ class Exchange {
   std::size_t send(const void* data, std::size_t bytes, int peer, MemoryType mem);
   std::size_t recv(void* data, std::size_t bytes, int peer, MemoryType mem);
   // Convenience: user memory (ctx.mem) and host scratch.
-  std::size_t send_user(const void* d, std::size_t b, int peer) { return send(d, b, peer, ctx_.mem); }
+  std::size_t send_user(const void* d, std::size_t b, int peer) {
+    return send(d, b, peer, ctx_.mem);
+  }
   std::size_t recv_user(void* d, std::size_t b, int peer) { return recv(d, b, peer, ctx_.mem); }
-  std::size_t send_host(const void* d, std::size_t b, int peer) { return send(d, b, peer, MemoryType::kHost); }
-  std::size_t recv_host(void* d, std::size_t b, int peer) { return recv(d, b, peer, MemoryType::kHost); }
+  std::size_t send_host(const void* d, std::size_t b, int peer) {
+    return send(d, b, peer, MemoryType::kHost);
+  }
+  std::size_t recv_host(void* d, std::size_t b, int peer) {
+    return recv(d, b, peer, MemoryType::kHost);
+  }
   // Work memory: scratch() and staged buffers (WorkStage).
-  std::size_t send_work(const void* d, std::size_t b, int peer) { return send(d, b, peer, work_mem()); }
+  std::size_t send_work(const void* d, std::size_t b, int peer) {
+    return send(d, b, peer, work_mem());
+  }
   std::size_t recv_work(void* d, std::size_t b, int peer) { return recv(d, b, peer, work_mem()); }
 
   void wait(std::size_t id);
@@ -104,7 +112,7 @@ class Exchange {
   struct Scratch {
     std::unique_ptr<char[]> data;  // host scratch (from the pool)
     std::size_t size = 0;
-    void* device = nullptr;        // or device scratch (Context::device)
+    void* device = nullptr;  // or device scratch (Context::device)
   };
   std::vector<Scratch> scratch_;
 };

@@ -33,8 +33,8 @@ inline float half_to_float(std::uint16_t h) {
   constexpr float magic_bias = 0.5f;
   const float denormalized = bits_to_float((two_w >> 17) | magic_mask) - magic_bias;
   constexpr std::uint32_t denormalized_cutoff = UINT32_C(1) << 27;
-  const std::uint32_t result =
-      sign | (two_w < denormalized_cutoff ? float_to_bits(denormalized) : float_to_bits(normalized));
+  const std::uint32_t result = sign | (two_w < denormalized_cutoff ? float_to_bits(denormalized)
+                                                                   : float_to_bits(normalized));
   return bits_to_float(result);
 }
 

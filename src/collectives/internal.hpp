@@ -47,7 +47,8 @@ inline constexpr std::size_t kPipelineChunkBytes = std::size_t{1} << 20;
 
 // Number of pipeline chunks for `bytes` (at least 1).
 inline int pipeline_chunks(std::size_t bytes) {
-  return static_cast<int>(std::max<std::size_t>(1, (bytes + kPipelineChunkBytes - 1) / kPipelineChunkBytes));
+  return static_cast<int>(
+      std::max<std::size_t>(1, (bytes + kPipelineChunkBytes - 1) / kPipelineChunkBytes));
 }
 
 // Ring allgather over one buffer: rank r already holds bytes [displs[r], displs[r] + counts[r])

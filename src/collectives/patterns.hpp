@@ -93,7 +93,7 @@ inline RecursiveDoubling recursive_doubling(int r, int n) {
 // root) with vr + m < n. `children` lists them largest subtree first: broadcast sends in this
 // order, reduce receives in the reverse order (smallest subtree first, as it is ready first).
 struct Tree {
-  int parent = -1;  // real rank, -1 at the root
+  int parent = -1;            // real rank, -1 at the root
   std::vector<int> children;  // real ranks, largest subtree first
 };
 
@@ -125,7 +125,6 @@ inline std::vector<Round> dissemination(int r, int n) {
   for (int d = 1; d < n; d <<= 1) rounds.push_back(Round{mod(r + d, n), mod(r - d, n)});
   return rounds;
 }
-
 
 // ---- the power-of-two fold (Rabenseifner, recursive halving) ----------------------------------
 // The same fold as recursive_doubling(): p = pow2_floor(n), rem = n - p; ranks below 2 * rem pair
@@ -195,7 +194,7 @@ inline std::vector<DoublingStep> recursive_doubling_allgather(int q, int p) {
 // partner's group and then hold the aligned group of 2 * mask blocks. qroot ends with all blocks.
 struct GatherStep {
   int partner;
-  bool send;   // send [lo, hi) (and stop), else receive [lo, hi)
+  bool send;  // send [lo, hi) (and stop), else receive [lo, hi)
   int lo, hi;
 };
 
@@ -228,7 +227,8 @@ struct BruckStep {
 
 inline std::vector<BruckStep> bruck(int r, int n) {
   std::vector<BruckStep> steps;
-  for (int d = 1; d < n; d *= 2) steps.push_back(BruckStep{mod(r - d, n), mod(r + d, n), std::min(d, n - d), d});
+  for (int d = 1; d < n; d *= 2)
+    steps.push_back(BruckStep{mod(r - d, n), mod(r + d, n), std::min(d, n - d), d});
   return steps;
 }
 

@@ -99,7 +99,8 @@ bool is_bitwise(ReduceOp op) {
 }  // namespace
 
 void check_reduction(const char* op_name, DataType t, ReduceOp op) {
-  const std::string prefix = std::string("commux ") + (op_name != nullptr ? op_name : "reduce") + ": ";
+  const std::string prefix =
+      std::string("commux ") + (op_name != nullptr ? op_name : "reduce") + ": ";
   if (!known_dtype(t)) {
     throw Error(Errc::kInvalidArgument,
                 prefix + "unknown DataType " + std::to_string(static_cast<int>(t)));
@@ -130,8 +131,12 @@ using Wide = std::conditional_t<(sizeof(T) < 4), std::uint32_t, std::make_unsign
 
 template <class T>
 struct IntOps {
-  static T sum(T a, T b) { return static_cast<T>(static_cast<Wide<T>>(a) + static_cast<Wide<T>>(b)); }
-  static T prod(T a, T b) { return static_cast<T>(static_cast<Wide<T>>(a) * static_cast<Wide<T>>(b)); }
+  static T sum(T a, T b) {
+    return static_cast<T>(static_cast<Wide<T>>(a) + static_cast<Wide<T>>(b));
+  }
+  static T prod(T a, T b) {
+    return static_cast<T>(static_cast<Wide<T>>(a) * static_cast<Wide<T>>(b));
+  }
   static T min(T a, T b) { return b < a ? b : a; }
   static T max(T a, T b) { return a < b ? b : a; }
   static T band(T a, T b) { return static_cast<T>(a & b); }

@@ -18,14 +18,17 @@ void reduce_scatter(const Context& ctx, const void* in, void* out, const std::si
   const int n = ex.size(), r = ex.rank();
   const std::size_t es = dtype_size(t);
   std::vector<std::size_t> off(static_cast<std::size_t>(n) + 1, 0);
-  for (int p = 0; p < n; ++p) off[static_cast<std::size_t>(p) + 1] = off[static_cast<std::size_t>(p)] + counts[p];
+  for (int p = 0; p < n; ++p)
+    off[static_cast<std::size_t>(p) + 1] = off[static_cast<std::size_t>(p)] + counts[p];
   const std::size_t total = off.back();
   const std::size_t mine_bytes = counts[r] * es;
   detail::check_ptr(ctx, in, total * es, "in");
   detail::check_ptr(ctx, out, mine_bytes, "out");
-  detail::ReduceScatterArgs a{static_cast<const char*>(in), static_cast<char*>(out), off.data(), t, op};
-  const char* pick =
-      pattern::is_pow2(n) && total * es < detail::kReduceScatterSmallBytes ? "recursive_halving" : "ring";
+  detail::ReduceScatterArgs a{static_cast<const char*>(in), static_cast<char*>(out), off.data(), t,
+                              op};
+  const char* pick = pattern::is_pow2(n) && total * es < detail::kReduceScatterSmallBytes
+                         ? "recursive_halving"
+                         : "ring";
   const auto& algo = detail::choose(ctx, detail::reduce_scatter_table(), n, a, pick);
   if (n == 1) {
     ex.copy(out, ex.mem(), in, ex.mem(), mine_bytes);

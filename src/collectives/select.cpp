@@ -18,9 +18,9 @@ namespace detail {
 namespace {
 
 constexpr std::size_t kColls = static_cast<std::size_t>(Coll::kCount);
-constexpr std::array<const char*, kColls> kNames = {
-    "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall", "barrier",
-    "gather", "scatter"};
+constexpr std::array<const char*, kColls> kNames = {"allreduce", "broadcast",      "reduce",
+                                                    "allgather", "reduce_scatter", "alltoall",
+                                                    "barrier",   "gather",         "scatter"};
 
 template <class A, std::size_t N>
 Table<A> make_table(Coll c, const Algorithm<A>* const (&list)[N]) {
@@ -53,7 +53,9 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
-bool is_auto(const char* name) { return name == nullptr || *name == '\0' || std::string(name) == "auto"; }
+bool is_auto(const char* name) {
+  return name == nullptr || *name == '\0' || std::string(name) == "auto";
+}
 
 Coll coll_of(const char* op) {
   std::string s = op != nullptr ? op : "";
@@ -71,9 +73,9 @@ Coll coll_of(const char* op) {
 
 // The variables, in kNames' order, and their values as read once per process (commux::settings()).
 constexpr std::array<const char*, kColls> kEnv = {
-    "COMMUX_ALGO_ALLREDUCE", "COMMUX_ALGO_BROADCAST", "COMMUX_ALGO_REDUCE", "COMMUX_ALGO_ALLGATHER",
-    "COMMUX_ALGO_REDUCE_SCATTER", "COMMUX_ALGO_ALLTOALL", "COMMUX_ALGO_BARRIER", "COMMUX_ALGO_GATHER",
-    "COMMUX_ALGO_SCATTER"};
+    "COMMUX_ALGO_ALLREDUCE", "COMMUX_ALGO_BROADCAST",      "COMMUX_ALGO_REDUCE",
+    "COMMUX_ALGO_ALLGATHER", "COMMUX_ALGO_REDUCE_SCATTER", "COMMUX_ALGO_ALLTOALL",
+    "COMMUX_ALGO_BARRIER",   "COMMUX_ALGO_GATHER",         "COMMUX_ALGO_SCATTER"};
 
 const std::string& env_algorithm(std::size_t i) {
   static const std::array<std::string, kColls> values = [] {
@@ -125,45 +127,49 @@ std::string forced_name(const Context& ctx, Coll c, const char** source) {
 void set_last_algorithm(const char* name) noexcept { t_last = name; }
 
 void unknown_algorithm(const Context& ctx, Coll c, const char* name, const char* source) {
-  Exchange::invalid(ctx, std::string("unknown ") + coll_name(c) + " algorithm '" + name + "' (from " +
-                             source + "); the " + coll_name(c) + " algorithms are: " +
-                             join(names_of(c)) + " (or auto)");
+  Exchange::invalid(ctx, std::string("unknown ") + coll_name(c) + " algorithm '" + name +
+                             "' (from " + source + "); the " + coll_name(c) +
+                             " algorithms are: " + join(names_of(c)) + " (or auto)");
 }
 
 // ---- the tables ---------------------------------------------------------------------------------
 
 const Table<AllreduceArgs>& allreduce_table() {
-  static const Algorithm<AllreduceArgs>* const list[] = {
-      &algo::allreduce_recursive_doubling, &algo::allreduce_halves, &algo::allreduce_ring,
-      &algo::allreduce_rabenseifner};
+  static const Algorithm<AllreduceArgs>* const list[] = {&algo::allreduce_recursive_doubling,
+                                                         &algo::allreduce_halves,
+                                                         &algo::allreduce_ring,
+                                                         &algo::allreduce_rabenseifner};
   static const Table<AllreduceArgs> t = make_table(Coll::kAllreduce, list);
   return t;
 }
 const Table<BroadcastArgs>& broadcast_table() {
   static const Algorithm<BroadcastArgs>* const list[] = {&algo::broadcast_binomial,
-                                                          &algo::broadcast_scatter_allgather};
+                                                         &algo::broadcast_scatter_allgather};
   static const Table<BroadcastArgs> t = make_table(Coll::kBroadcast, list);
   return t;
 }
 const Table<ReduceArgs>& reduce_table() {
-  static const Algorithm<ReduceArgs>* const list[] = {&algo::reduce_binomial, &algo::reduce_rabenseifner};
+  static const Algorithm<ReduceArgs>* const list[] = {&algo::reduce_binomial,
+                                                      &algo::reduce_rabenseifner};
   static const Table<ReduceArgs> t = make_table(Coll::kReduce, list);
   return t;
 }
 const Table<AllgatherArgs>& allgather_table() {
-  static const Algorithm<AllgatherArgs>* const list[] = {
-      &algo::allgather_ring, &algo::allgather_recursive_doubling, &algo::allgather_bruck};
+  static const Algorithm<AllgatherArgs>* const list[] = {&algo::allgather_ring,
+                                                         &algo::allgather_recursive_doubling,
+                                                         &algo::allgather_bruck};
   static const Table<AllgatherArgs> t = make_table(Coll::kAllgather, list);
   return t;
 }
 const Table<ReduceScatterArgs>& reduce_scatter_table() {
-  static const Algorithm<ReduceScatterArgs>* const list[] = {&algo::reduce_scatter_ring,
-                                                              &algo::reduce_scatter_recursive_halving};
+  static const Algorithm<ReduceScatterArgs>* const list[] = {
+      &algo::reduce_scatter_ring, &algo::reduce_scatter_recursive_halving};
   static const Table<ReduceScatterArgs> t = make_table(Coll::kReduceScatter, list);
   return t;
 }
 const Table<AlltoallArgs>& alltoall_table() {
-  static const Algorithm<AlltoallArgs>* const list[] = {&algo::alltoall_pairwise, &algo::alltoall_linear};
+  static const Algorithm<AlltoallArgs>* const list[] = {&algo::alltoall_pairwise,
+                                                        &algo::alltoall_linear};
   static const Table<AlltoallArgs> t = make_table(Coll::kAlltoall, list);
   return t;
 }
@@ -178,14 +184,17 @@ const Table<RootedArgs>& gather_table() {
   return t;
 }
 const Table<RootedArgs>& scatter_table() {
-  static const Algorithm<RootedArgs>* const list[] = {&algo::scatter_binomial, &algo::scatter_linear};
+  static const Algorithm<RootedArgs>* const list[] = {&algo::scatter_binomial,
+                                                      &algo::scatter_linear};
   static const Table<RootedArgs> t = make_table(Coll::kScatter, list);
   return t;
 }
 
 }  // namespace detail
 
-std::vector<std::string> algorithms(const char* op) { return detail::names_of(detail::coll_of(op)); }
+std::vector<std::string> algorithms(const char* op) {
+  return detail::names_of(detail::coll_of(op));
+}
 
 void force_algorithm(const char* op, const char* name) {
   const detail::Coll c = detail::coll_of(op);
@@ -196,10 +205,10 @@ void force_algorithm(const char* op, const char* name) {
     bool known = false;
     for (const auto& x : names) known = known || x == name;
     if (!known) {
-      throw Error(Errc::kInvalidArgument, std::string("commux force_algorithm: unknown ") +
-                                              detail::coll_name(c) + " algorithm '" + name + "'; the " +
-                                              detail::coll_name(c) + " algorithms are: " +
-                                              detail::join(names) + " (or auto)");
+      throw Error(Errc::kInvalidArgument,
+                  std::string("commux force_algorithm: unknown ") + detail::coll_name(c) +
+                      " algorithm '" + name + "'; the " + detail::coll_name(c) +
+                      " algorithms are: " + detail::join(names) + " (or auto)");
     }
     value = name;
   }

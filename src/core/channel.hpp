@@ -44,7 +44,7 @@ class RequestState {
   virtual bool finished() const noexcept = 0;
   virtual int posted_peer() const noexcept = 0;  // as posted (kAnySource possible)
   // Readable once finished():
-  virtual int sender() const noexcept = 0;        // the real sender of a receive; a send's peer
+  virtual int sender() const noexcept = 0;  // the real sender of a receive; a send's peer
   virtual std::size_t transferred() const noexcept = 0;
   virtual std::exception_ptr failure() const noexcept = 0;
   // The poster's default wait deadline (Options::timeout of its channel).

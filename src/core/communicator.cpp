@@ -44,7 +44,8 @@ Options Options::from_env() {
 
 namespace {
 void require(const std::shared_ptr<detail::RequestState>& state) {
-  if (!state) throw Error(Errc::kInvalidArgument, ErrorSite{"request", {}, {}, {}, {}}, "empty Request");
+  if (!state)
+    throw Error(Errc::kInvalidArgument, ErrorSite{"request", {}, {}, {}, {}}, "empty Request");
 }
 }  // namespace
 
@@ -93,7 +94,9 @@ void Request::cancel() {
 
 namespace detail {
 
-Request make_request(std::shared_ptr<RequestState> state) noexcept { return Request(std::move(state)); }
+Request make_request(std::shared_ptr<RequestState> state) noexcept {
+  return Request(std::move(state));
+}
 
 Channel& channel(Communicator& comm) noexcept { return *comm.channel_; }
 
@@ -108,8 +111,8 @@ RuntimeInfo probe_runtime(const Options& options) {
   char tmpl[] = "/tmp/commux-probe-XXXXXX";
   const char* dir = ::mkdtemp(tmpl);
   if (dir == nullptr) {
-    throw Error(Errc::kInvalidArgument, std::string("commux probe: mkdtemp in /tmp failed: ") +
-                                            std::strerror(errno));
+    throw Error(Errc::kInvalidArgument,
+                std::string("commux probe: mkdtemp in /tmp failed: ") + std::strerror(errno));
   }
   struct Cleanup {
     std::string dir;
@@ -136,7 +139,8 @@ std::shared_ptr<detail::Engine> started_engine(std::shared_ptr<Store> store, int
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size, Options options)
     : channel_(started_engine(std::move(store), rank, size, std::move(options))) {}
 
-Communicator::Communicator(std::shared_ptr<detail::Channel> channel) : channel_(std::move(channel)) {}
+Communicator::Communicator(std::shared_ptr<detail::Channel> channel)
+    : channel_(std::move(channel)) {}
 
 Communicator::~Communicator() { shutdown(); }
 
@@ -174,11 +178,13 @@ void Communicator::wait_or_cancel(Request& r) {
       op.wait_for(options().shutdown_timeout);
     } catch (const Error&) {
       throw Error(Errc::kTimeout, timeout.site(),
-                  timeout.reason() + "; cancelling it did not finish either, so its buffers "
-                                     "must stay alive until the communicator is shut down");
+                  timeout.reason() +
+                      "; cancelling it did not finish either, so its buffers "
+                      "must stay alive until the communicator is shut down");
     }
     if (op.failure() != nullptr) {
-      throw Error(Errc::kTimeout, timeout.site(), timeout.reason() + "; the operation was cancelled");
+      throw Error(Errc::kTimeout, timeout.site(),
+                  timeout.reason() + "; the operation was cancelled");
     }
     // It matched while being cancelled: a success after all.
   }
@@ -187,15 +193,15 @@ void Communicator::wait_or_cancel(Request& r) {
 
 void Communicator::send(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "send");
-  Request r = channel_->post(detail::Direction::kSend, "send", buffers.data(), buffers.size(),
-                             peer, TagKind::kUser, t, true);
+  Request r = channel_->post(detail::Direction::kSend, "send", buffers.data(), buffers.size(), peer,
+                             TagKind::kUser, t, true);
   wait_or_cancel(r);
 }
 
 Request Communicator::recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "recv");
-  Request r = channel_->post(detail::Direction::kRecv, "recv", buffers.data(), buffers.size(),
-                             peer, TagKind::kUser, t, false);
+  Request r = channel_->post(detail::Direction::kRecv, "recv", buffers.data(), buffers.size(), peer,
+                             TagKind::kUser, t, false);
   wait_or_cancel(r);
   return r;
 }

@@ -80,7 +80,7 @@ namespace commux {
 std::vector<std::string> ucx_available_transports() {
   ucp_config_t* config = nullptr;
   detail::check_status(ucp_config_read(nullptr, nullptr, &config),
-               "transport probe: reading the UCX configuration");
+                       "transport probe: reading the UCX configuration");
   // Every transport, whatever UCX_TLS says: the question is what this UCX has.
   ucp_config_modify(config, "TLS", "all");
   ucp_params_t params{};

@@ -50,9 +50,9 @@ Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options
                                             " is outside 0.." + std::to_string(size_ - 1));
   }
   if (options_.group < 0 || options_.group >= tag_layout::kMaxGroups) {
-    throw Error(Errc::kInvalidArgument,
-                "commux init: group id " + std::to_string(options_.group) + " is outside 0.." +
-                    std::to_string(tag_layout::kMaxGroups - 1));
+    throw Error(Errc::kInvalidArgument, "commux init: group id " + std::to_string(options_.group) +
+                                            " is outside 0.." +
+                                            std::to_string(tag_layout::kMaxGroups - 1));
   }
 }
 

@@ -47,14 +47,14 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   int size() const noexcept override { return size_; }
   const Options& options() const noexcept override { return options_; }
   const RuntimeInfo& info() const noexcept override { return info_; }
-  Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
-               int peer, TagKind kind, std::uint32_t tag, bool fast_completion) override;
+  Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count, int peer,
+               TagKind kind, std::uint32_t tag, bool fast_completion) override;
   void shutdown() override;
 
   // Requests (op.cpp); Op's RequestState methods call the last three.
   std::shared_ptr<Op> post_op(Op::Kind kind, const char* name, const Buffer* buffers,
-                           std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
-                           bool fast_completion);
+                              std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
+                              bool fast_completion);
   void wait(Op& op, std::chrono::milliseconds timeout);
   bool test(Op& op);
   void cancel(Op& op);

@@ -37,9 +37,7 @@ std::string Error::describe() const {
   return site_.op.empty() ? reason_ : site_.op + ": " + reason_;
 }
 
-Error Error::with_still_posted(bool posted) const {
-  return Error(code_, site_, reason_, posted);
-}
+Error Error::with_still_posted(bool posted) const { return Error(code_, site_, reason_, posted); }
 
 namespace detail {
 
@@ -55,16 +53,15 @@ Errc errc_from_status(ucs_status_t status) noexcept {
     case UCS_ERR_UNREACHABLE:
     case UCS_ERR_REJECTED:
     case UCS_ERR_NOT_CONNECTED:
-    case UCS_ERR_IO_ERROR:
-      return Errc::kPeerFailed;
+    case UCS_ERR_IO_ERROR: return Errc::kPeerFailed;
     default: return Errc::kTransport;
   }
 }
 
 Error error_from_status(ucs_status_t status, const std::string& what) {
-  return Error(errc_from_status(status),
-               "commux " + what + ": " + ucs_status_string(status) + " (UCX status " +
-                   std::to_string(static_cast<int>(status)) + ")");
+  return Error(errc_from_status(status), "commux " + what + ": " + ucs_status_string(status) +
+                                             " (UCX status " +
+                                             std::to_string(static_cast<int>(status)) + ")");
 }
 
 Error error_from_status(ucs_status_t status, ErrorSite site, const std::string& context) {

@@ -72,16 +72,15 @@ void FileStore::set(const std::string& key, const std::vector<std::uint8_t>& val
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     std::remove(tmp.c_str());
-    throw Error(Errc::kInvalidArgument, "commux FileStore: cannot publish key '" + key + "': " +
-                                            std::strerror(e));
+    throw Error(Errc::kInvalidArgument,
+                "commux FileStore: cannot publish key '" + key + "': " + std::strerror(e));
   }
 }
 
-bool FileStore::check(const std::string& key) {
-  return ::access(path_of(key).c_str(), F_OK) == 0;
-}
+bool FileStore::check(const std::string& key) { return ::access(path_of(key).c_str(), F_OK) == 0; }
 
-std::vector<std::uint8_t> FileStore::get(const std::string& key, std::chrono::milliseconds timeout) {
+std::vector<std::uint8_t> FileStore::get(const std::string& key,
+                                         std::chrono::milliseconds timeout) {
   const std::string path = path_of(key);
   return detail::wait_for_key(key, timeout, "FileStore", "in '" + dir_ + "'",
                               "(is every rank started, with the same store?)",

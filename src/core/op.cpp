@@ -21,23 +21,24 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
   const bool any_ok = kind == Op::Kind::kRecv;
   if (peer >= size_ || peer < 0) {
     if (!(any_ok && peer == kAnySource)) {
-      throw Error(Errc::kInvalidArgument, ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
-                  "peer " + std::to_string(peer) +
-                      " is outside 0.." + std::to_string(size_ - 1) +
-                      (any_ok ? " (or kAnySource)" : "") + " (world size " +
-                      std::to_string(size_) + ")");
+      throw Error(Errc::kInvalidArgument,
+                  ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
+                  "peer " + std::to_string(peer) + " is outside 0.." + std::to_string(size_ - 1) +
+                      (any_ok ? " (or kAnySource)" : "") + " (world size " + std::to_string(size_) +
+                      ")");
     }
   }
   if (count > 0 && buffers == nullptr) {
-    throw Error(Errc::kInvalidArgument, ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
-                "null buffer list with count " +
-                    std::to_string(count));
+    throw Error(Errc::kInvalidArgument,
+                ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
+                "null buffer list with count " + std::to_string(count));
   }
   for (std::size_t i = 0; i < count; ++i) {
     if (buffers[i].data == nullptr && buffers[i].size > 0) {
-      throw Error(Errc::kInvalidArgument, ErrorSite{name, peer, {}, {}, std::to_string(options_.group)}, "buffer " +
-                                              std::to_string(i) + " is null but has " +
-                                              std::to_string(buffers[i].size) + " bytes");
+      throw Error(Errc::kInvalidArgument,
+                  ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
+                  "buffer " + std::to_string(i) + " is null but has " +
+                      std::to_string(buffers[i].size) + " bytes");
     }
     const MemoryType m = buffers[i].mem;
     if (m != MemoryType::kHost && m != MemoryType::kUnknown) {
@@ -45,26 +46,28 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
       if (u == UCS_MEMORY_TYPE_LAST ||
           std::find(info_.memory_types.begin(), info_.memory_types.end(),
                     ucs_memory_type_names[u]) == info_.memory_types.end()) {
-        throw Error(Errc::kUnsupported, ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
-                    "buffer " + std::to_string(i) + " is " +
-                        memory_type_name(m) + " memory, but the UCX in use (" + info_.ucx_version +
+        throw Error(Errc::kUnsupported,
+                    ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
+                    "buffer " + std::to_string(i) + " is " + memory_type_name(m) +
+                        " memory, but the UCX in use (" + info_.ucx_version +
                         ") does not support it; build commux against a UCX with that transport "
                         "(e.g. COMMUX_UCX_PROVIDER=wheel with libucx-cu13 for CUDA)");
       }
     }
     if (options_.packing == Packing::kIov && count > 1 && m != buffers[0].mem) {
-      throw Error(Errc::kInvalidArgument, ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
+      throw Error(Errc::kInvalidArgument,
+                  ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
                   std::string("COMMUX_COALESCE packs the buffers into one UCX message, so they "
                               "must share one memory type (buffer 0 is ") +
-                      memory_type_name(buffers[0].mem) +
-                      ", buffer " + std::to_string(i) + " is " + memory_type_name(m) + ")");
+                      memory_type_name(buffers[0].mem) + ", buffer " + std::to_string(i) + " is " +
+                      memory_type_name(m) + ")");
     }
   }
 }
 
 std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffer* buffers,
-                                 std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
-                                 bool fast_completion) {
+                                    std::size_t count, int peer, TagKind tag_kind,
+                                    std::uint32_t tag, bool fast_completion) {
   validate(kind, name, buffers, count, peer);
   auto op = std::make_shared<Op>();
   op->kind = kind;
@@ -91,15 +94,17 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
 
   std::lock_guard<std::mutex> lock(worker_.mutex());
   if (worker_.shut_down_locked()) {
-    throw Error(Errc::kCanceled, ErrorSite{name, peer, tag, op->capacity, std::to_string(options_.group)},
+    throw Error(Errc::kCanceled,
+                ErrorSite{name, peer, tag, op->capacity, std::to_string(options_.group)},
                 "the communicator is shut down");
   }
   // Sends to a peer that is gone fail at once. Receives are still posted: a message it sent before
   // it went may be waiting; Peers::reap_locked() fails them if nothing matches.
   if (kind == Op::Kind::kSend && peers_[peer].status != UCS_OK) {
-    throw Error(Errc::kPeerFailed, ErrorSite{name, peer, tag, op->capacity, std::to_string(options_.group)},
-                "peer " + std::to_string(peer) + " is gone (" +
-                    peers_[peer].reason + "); " + describe(*op));
+    throw Error(Errc::kPeerFailed,
+                ErrorSite{name, peer, tag, op->capacity, std::to_string(options_.group)},
+                "peer " + std::to_string(peer) + " is gone (" + peers_[peer].reason + "); " +
+                    describe(*op));
   }
   worker_.register_locked(op);
   // An any-source receive in parts learns its sender from part 0, then posts the rest.
@@ -111,8 +116,8 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
 
 void Engine::post_locked(const std::shared_ptr<Op>& op, std::size_t first_part,
                          bool fast_completion) {
-  const bool later_rest = op->kind == Op::Kind::kRecv && op->peer == kAnySource && first_part == 0 &&
-                          op->parts.size() > 1;
+  const bool later_rest = op->kind == Op::Kind::kRecv && op->peer == kAnySource &&
+                          first_part == 0 && op->parts.size() > 1;
   const std::size_t end = later_rest ? 1 : op->parts.size();
   for (std::size_t i = first_part; i < end; ++i) post_part_locked(*op, i, fast_completion);
   run_deferred_locked();
@@ -217,9 +222,9 @@ void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
     if (info != nullptr && (status == UCS_OK || status == UCS_ERR_MESSAGE_TRUNCATED)) {
       const TagFields f = parse_tag(TagValue{info->sender_tag});
       if (index == 0) op.source = f.sender;
-      const std::size_t posted =
-          op.packing == Packing::kIov ? op.capacity
-                                      : (op.buffers.empty() ? 0 : op.buffers[index].size);
+      const std::size_t posted = op.packing == Packing::kIov
+                                     ? op.capacity
+                                     : (op.buffers.empty() ? 0 : op.buffers[index].size);
       if (status == UCS_ERR_MESSAGE_TRUNCATED) {
         op.detail = "the message is " + std::to_string(info->length) +
                     " bytes but the posted buffer" +
@@ -262,20 +267,22 @@ void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
 void Engine::finish_locked(Op& op) {
   if (op.has_override) {
     op.error = std::make_exception_ptr(
-        Error(op.override_code, ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
+        Error(op.override_code,
+              ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
               op.override_reason + " (" + describe(op) + ")"));
   } else if (op.status == UCS_ERR_MESSAGE_TRUNCATED) {
-    op.error = std::make_exception_ptr(
-        Error(Errc::kTruncated, ErrorSite{op.name, op.source, op.tag, op.capacity, std::to_string(options_.group)},
-              "message from peer " +
-                                    std::to_string(op.source) + " with tag " +
-                                    std::to_string(op.tag) + " is too long: " + op.detail + " (" +
-                                    describe(op) + ")"));
+    op.error = std::make_exception_ptr(Error(
+        Errc::kTruncated,
+        ErrorSite{op.name, op.source, op.tag, op.capacity, std::to_string(options_.group)},
+        "message from peer " + std::to_string(op.source) + " with tag " + std::to_string(op.tag) +
+            " is too long: " + op.detail + " (" + describe(op) + ")"));
   } else if (op.status != UCS_OK) {
     op.error = std::make_exception_ptr(error_from_status(
-        op.status, ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)}, describe(op)));
+        op.status, ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
+        describe(op)));
   }
-  const std::shared_ptr<Op> keep = worker_.unregister_locked(op);  // keeps op alive to the end of this
+  const std::shared_ptr<Op> keep =
+      worker_.unregister_locked(op);  // keeps op alive to the end of this
   op.done.store(true);
   worker_.notify_done();
 }
@@ -305,9 +312,9 @@ void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(worker_.mutex());
     d = describe(op);
   }
-  throw Error(Errc::kTimeout, ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
-              "timed out after " +
-                                  std::to_string(timeout.count()) + " ms (" + d + ")");
+  throw Error(Errc::kTimeout,
+              ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
+              "timed out after " + std::to_string(timeout.count()) + " ms (" + d + ")");
 }
 
 void Engine::cancel(Op& op) {

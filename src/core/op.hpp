@@ -56,22 +56,22 @@ class SmallVec {
 struct Part {
   struct Op* op = nullptr;
   std::uint32_t index = 0;
-  void* ucx_req = nullptr;          // [mu] in-flight UCX request, or nullptr
-  ucp_tag_recv_info_t info{};       // receive info of an immediately completed receive
+  void* ucx_req = nullptr;     // [mu] in-flight UCX request, or nullptr
+  ucp_tag_recv_info_t info{};  // receive info of an immediately completed receive
 };
 
 struct Op final : RequestState {
   enum class Kind : std::uint8_t { kSend, kRecv };
   Kind kind = Kind::kSend;
-  const char* name = "";            // operation name for messages ("isend", "irecv", ...)
-  int peer = 0;                     // requested peer, kAnySource for any-source receives
+  const char* name = "";  // operation name for messages ("isend", "irecv", ...)
+  int peer = 0;           // requested peer, kAnySource for any-source receives
   TagKind tag_kind = TagKind::kUser;
   std::uint32_t tag = 0;
   Packing packing = Packing::kParts;  // how this op travels (kIov only when > 1 buffer)
-  std::size_t capacity = 0;         // total bytes of the posted buffers
-  SmallVec<Buffer> buffers;         // the user's buffers (not owned)
-  std::vector<ucp_dt_iov_t> iov;    // IOV descriptors, alive until completion
-  SmallVec<Part> parts;             // fixed size once posted (pointers into it go to UCX)
+  std::size_t capacity = 0;           // total bytes of the posted buffers
+  SmallVec<Buffer> buffers;           // the user's buffers (not owned)
+  std::vector<ucp_dt_iov_t> iov;      // IOV descriptors, alive until completion
+  SmallVec<Part> parts;               // fixed size once posted (pointers into it go to UCX)
   std::shared_ptr<Engine> engine;
   // [mu] While in flight the Op owns itself and sits in the worker's in-flight list.
   std::shared_ptr<Op> self;
@@ -80,15 +80,15 @@ struct Op final : RequestState {
 
   std::atomic<bool> done{false};
   // Written under the worker mutex before `done` is set, read after it is seen set.
-  int remaining = 0;                // [mu] UCX messages not yet complete
-  ucs_status_t status = UCS_OK;     // [mu] first failure
+  int remaining = 0;                      // [mu] UCX messages not yet complete
+  ucs_status_t status = UCS_OK;           // [mu] first failure
   Errc override_code = Errc::kTransport;  // [mu] set with has_override for peer failure/shutdown
-  bool has_override = false;        // [mu]
-  std::string override_reason;      // [mu]
-  std::string detail;               // [mu] extra facts for the error message
-  int source = -1;                  // [mu] real sender (receives)
-  std::size_t bytes = 0;            // [mu] bytes moved
-  std::exception_ptr error;         // set once when finished
+  bool has_override = false;              // [mu]
+  std::string override_reason;            // [mu]
+  std::string detail;                     // [mu] extra facts for the error message
+  int source = -1;                        // [mu] real sender (receives)
+  std::size_t bytes = 0;                  // [mu] bytes moved
+  std::exception_ptr error;               // set once when finished
 
   // Cancels every part still in flight in UCX (each then completes with UCS_ERR_CANCELED). [mu]
   void cancel_parts_locked(ucp_worker_h worker) noexcept {

@@ -57,9 +57,7 @@ ProcessIdentity self_identity() {
   return id;
 }
 
-bool process_alive(const ProcessIdentity& id) {
-  return start_time_of(id.pid) == id.start_time;
-}
+bool process_alive(const ProcessIdentity& id) { return start_time_of(id.pid) == id.start_time; }
 
 std::vector<std::uint8_t> encode_record(const PeerRecord& r) {
   std::vector<std::uint8_t> out(kMagic, kMagic + 4);

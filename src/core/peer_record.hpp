@@ -14,7 +14,7 @@
 namespace commux::detail {
 
 struct ProcessIdentity {
-  std::string host;          // boot id + pid namespace: equal means "same host, same pid space"
+  std::string host;  // boot id + pid namespace: equal means "same host, same pid space"
   std::int32_t pid = 0;
   std::uint64_t start_time = 0;  // clock ticks since boot (/proc/<pid>/stat field 22)
 };

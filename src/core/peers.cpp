@@ -133,10 +133,11 @@ void Peers::reap_failed_locked() {
   std::vector<std::shared_ptr<Op>> victims;
   for (Op* op = worker_.inflight_locked(); op != nullptr; op = op->next) {
     if (op->kind != Op::Kind::kRecv || op->has_override) continue;
-    const int from = op->peer != kAnySource ? op->peer : (op->remaining > 0 && op->parts.size() > 1 &&
-                                                          op->parts[0].ucx_req == nullptr
-                                                              ? op->source
-                                                              : kAnySource);
+    const int from = op->peer != kAnySource ? op->peer
+                                            : (op->remaining > 0 && op->parts.size() > 1 &&
+                                                       op->parts[0].ucx_req == nullptr
+                                                   ? op->source
+                                                   : kAnySource);
     if (from == kAnySource) continue;
     const Peer& pr = (*this)[from];
     if (pr.status != UCS_OK && now - pr.failed_at >= kGrace) victims.push_back(op->self);

@@ -26,12 +26,12 @@ class Peers;
 class Worker;
 
 struct Peer {
-  ucp_ep_h ep = nullptr;                  // [mu] nullptr before connecting and once closed
-  ucs_status_t status = UCS_OK;           // [mu] UCS_OK or why the peer failed
+  ucp_ep_h ep = nullptr;         // [mu] nullptr before connecting and once closed
+  ucs_status_t status = UCS_OK;  // [mu] UCS_OK or why the peer failed
   std::chrono::steady_clock::time_point failed_at{};  // [mu]
-  std::string reason;                     // [mu] why the peer is gone
-  ProcessIdentity identity;               // set in connect(), then read-only
-  bool same_host = false;                 // set in connect(), then read-only
+  std::string reason;                                 // [mu] why the peer is gone
+  ProcessIdentity identity;                           // set in connect(), then read-only
+  bool same_host = false;                             // set in connect(), then read-only
   // The endpoint error callback's argument is the Peer itself; these lead it back.
   Peers* owner = nullptr;
   int rank = -1;
@@ -74,9 +74,9 @@ class Peers {
   Worker& worker_;
   const int rank_;
   const int size_;
-  std::vector<Peer> peers_;       // sized once in connect() (the error callbacks hold &peers_[p])
-  std::vector<void*> closing_;    // [mu] force-close requests of dead peers
-  bool any_failed_ = false;       // [mu]
+  std::vector<Peer> peers_;     // sized once in connect() (the error callbacks hold &peers_[p])
+  std::vector<void*> closing_;  // [mu] force-close requests of dead peers
+  bool any_failed_ = false;     // [mu]
   std::chrono::steady_clock::time_point next_reap_{};  // [mu]
 };
 

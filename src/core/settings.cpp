@@ -26,39 +26,47 @@ const std::vector<Setting>& settings_table() {
        "startCoalescing/endCoalescing) and posts them together when it ends, receives first; "
        "wire-compatible with a peer that does not defer"},
       {"COMMUX_SPIN_US", "int", "100", kPerComm,
-       "a waiter polls this long before it sleeps on the worker's event fd; the torch backend's short "
+       "a waiter polls this long before it sleeps on the worker's event fd; the torch backend's "
+       "short "
        "collectives and its worker thread poll as long before sleeping"},
       {"COMMUX_TIMEOUT_MS", "int", "300000", kPerComm,
        "default deadline of every wait and of bootstrap lookups"},
-      {"COMMUX_SHUTDOWN_TIMEOUT_MS", "int", "3000", kPerComm, "bound on closing endpoints at shutdown"},
+      {"COMMUX_SHUTDOWN_TIMEOUT_MS", "int", "3000", kPerComm,
+       "bound on closing endpoints at shutdown"},
       {"COMMUX_WAKEUP", "auto/on/off", "auto", kPerComm,
        "on: waiters sleep on the worker's event fd (UCX then drops shared memory); auto: only when "
        "UCX_TLS excludes shared memory anyway; off: never"},
       {"COMMUX_UCX_DEFAULTS", "bool", "on", kPerComm, "off disables commux's UCX defaults below"},
       {"COMMUX_ATEN_REDUCE", "bool", "off", kPerComm,
-       "the torch backend's CPU collectives run through the device path's code (scratch, copies and "
+       "the torch backend's CPU collectives run through the device path's code (scratch, copies "
+       "and "
        "reductions by ATen) instead of commux's own kernels; a check of that code without a GPU, "
        "1.03-1.35x slower here (bench/experiments/aten_reduce_ab.py)"},
       {"COMMUX_ALGO_ALLREDUCE", "name", "auto", kOnce,
        "forces the allreduce algorithm (see docs/collectives.md); auto: the selector chooses"},
       {"COMMUX_ALGO_BROADCAST", "name", "auto", kOnce, "forces the broadcast algorithm"},
       {"COMMUX_ALGO_REDUCE", "name", "auto", kOnce, "forces the reduce algorithm"},
-      {"COMMUX_ALGO_ALLGATHER", "name", "auto", kOnce, "forces the allgather (and allgatherv) algorithm"},
+      {"COMMUX_ALGO_ALLGATHER", "name", "auto", kOnce,
+       "forces the allgather (and allgatherv) algorithm"},
       {"COMMUX_ALGO_REDUCE_SCATTER", "name", "auto", kOnce, "forces the reduce_scatter algorithm"},
-      {"COMMUX_ALGO_ALLTOALL", "name", "auto", kOnce, "forces the alltoall (and alltoallv) algorithm"},
+      {"COMMUX_ALGO_ALLTOALL", "name", "auto", kOnce,
+       "forces the alltoall (and alltoallv) algorithm"},
       {"COMMUX_ALGO_BARRIER", "name", "auto", kOnce, "forces the barrier algorithm"},
       {"COMMUX_ALGO_GATHER", "name", "auto", kOnce, "forces the gather algorithm"},
       {"COMMUX_ALGO_SCATTER", "name", "auto", kOnce, "forces the scatter algorithm"},
       {"COMMUX_EP_ATEN", "bool", "off", kOnce,
-       "commux.ep packs and unpacks host tensors with the device path's ATen operations (a check of "
+       "commux.ep packs and unpacks host tensors with the device path's ATen operations (a check "
+       "of "
        "that code without a GPU)"},
       {"UCXPG_DEVICE", "cpu/cuda", "cpu", kOnce,
        "test_commux: where the driver's messages live (cuda: device memory)"},
-      {"COMMUX_BENCH", "bool", "off", kOnce, "test_commux: run the V-buffer ping-pong latency benchmark"},
+      {"COMMUX_BENCH", "bool", "off", kOnce,
+       "test_commux: run the V-buffer ping-pong latency benchmark"},
       {"COMMUX_BENCH_V", "int", "1", kOnce, "test_commux: buffers per message of the benchmark"},
       {"COMMUX_BENCH_BYTES", "int", "8", kOnce, "test_commux: bytes per buffer of the benchmark"},
       {"COMMUX_BENCH_ITERS", "int", "20000", kOnce, "test_commux: round trips of the benchmark"},
-      {"COMMUX_TEST_TIMEOUT_S", "int", "120", kOnce, "test_commux: a rank exits (alarm) after this long"},
+      {"COMMUX_TEST_TIMEOUT_S", "int", "120", kOnce,
+       "test_commux: a rank exits (alarm) after this long"},
       {"COMMUX_CUDART", "path", "-", kOnce,
        "test_commux: the CUDA runtime library to load (else libcudart.so.13, .12, libcudart.so)"},
   };
@@ -86,7 +94,8 @@ long parse_int(const Setting& s, const std::string& v) {
   char* end = nullptr;
   errno = 0;
   const long x = std::strtol(v.c_str(), &end, 10);
-  if (end == v.c_str() || *end != '\0' || x < 0 || errno == ERANGE) bad(s, v, "a non-negative integer");
+  if (end == v.c_str() || *end != '\0' || x < 0 || errno == ERANGE)
+    bad(s, v, "a non-negative integer");
   return x;
 }
 
@@ -99,7 +108,8 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
   for (const Setting& s : table) {
     const char* raw = lookup(s.name);
     const bool from_env = raw != nullptr && *raw != '\0';
-    const std::string text = from_env ? raw : (std::strcmp(s.default_value, "-") == 0 ? "" : s.default_value);
+    const std::string text =
+        from_env ? raw : (std::strcmp(s.default_value, "-") == 0 ? "" : s.default_value);
     out.values.push_back(Value{&s, text, from_env});
     const std::string name = s.name;
     // Defaults are parsed like the environment's values, so the table cannot drift from the fields.
@@ -115,7 +125,8 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       const long n = parse_int(s, text);
       if (name == "COMMUX_SPIN_US") out.spin = std::chrono::microseconds(n);
       else if (name == "COMMUX_TIMEOUT_MS") out.timeout = std::chrono::milliseconds(n);
-      else if (name == "COMMUX_SHUTDOWN_TIMEOUT_MS") out.shutdown_timeout = std::chrono::milliseconds(n);
+      else if (name == "COMMUX_SHUTDOWN_TIMEOUT_MS")
+        out.shutdown_timeout = std::chrono::milliseconds(n);
       else if (name == "COMMUX_BENCH_V") out.bench_v = n;
       else if (name == "COMMUX_BENCH_BYTES") out.bench_bytes = n;
       else if (name == "COMMUX_BENCH_ITERS") out.bench_iters = n;
@@ -144,9 +155,9 @@ const std::string& Settings::text(const char* name) const {
   for (const Value& v : values) {
     if (name != nullptr && std::strcmp(v.setting->name, name) == 0) return v.text;
   }
-  throw Error(Errc::kInvalidArgument,
-              std::string("commux settings: '") + (name != nullptr ? name : "(null)") +
-                  "' is not a commux setting");
+  throw Error(Errc::kInvalidArgument, std::string("commux settings: '") +
+                                          (name != nullptr ? name : "(null)") +
+                                          "' is not a commux setting");
 }
 
 const Settings& settings() {

@@ -169,8 +169,8 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server,
     fd_ = -1;
     if (std::chrono::steady_clock::now() >= deadline) {
       throw Error(Errc::kTimeout, "commux TcpStore: cannot connect to " + where_ + " within " +
-                                      std::to_string(timeout.count()) + " ms: " +
-                                      std::strerror(e) + " (is rank 0 running?)");
+                                      std::to_string(timeout.count()) + " ms: " + std::strerror(e) +
+                                      " (is rank 0 running?)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

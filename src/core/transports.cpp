@@ -22,20 +22,26 @@ const char* accelerator_name(Accelerator a) noexcept {
 namespace {
 
 struct Family {
-  const char* copy;                      // the UCX_TLS name of the copy transport
-  std::vector<const char*> extras;       // used when present
-  const char* alias;                     // UCX_TLS alias that covers the family
-  const char* fix;                       // how to get a UCX with it
+  const char* copy;                 // the UCX_TLS name of the copy transport
+  std::vector<const char*> extras;  // used when present
+  const char* alias;                // UCX_TLS alias that covers the family
+  const char* fix;                  // how to get a UCX with it
 };
 
 const Family* family(Accelerator a) {
-  static const Family cuda{"cuda_copy", {"cuda_ipc", "gdr_copy"}, "cuda",
+  static const Family cuda{"cuda_copy",
+                           {"cuda_ipc", "gdr_copy"},
+                           "cuda",
                            "install a UCX built with CUDA (pip install libucx-cu13, the default "
                            "provider of commux's wheel)"};
-  static const Family rocm{"rocm_copy", {"rocm_ipc"}, "rocm",
+  static const Family rocm{"rocm_copy",
+                           {"rocm_ipc"},
+                           "rocm",
                            "use a UCX built with ROCm (configure --with-rocm) and point commux at "
                            "it (UCX_ROOT / COMMUX_UCX_PROVIDER=system)"};
-  static const Family xpu{"ze_copy", {"ze_ipc"}, "ze",
+  static const Family xpu{"ze_copy",
+                          {"ze_ipc"},
+                          "ze",
                           "use a UCX built with Level Zero (configure --with-ze) and point commux "
                           "at it (UCX_ROOT / COMMUX_UCX_PROVIDER=system)"};
   switch (a) {
@@ -73,8 +79,9 @@ std::vector<std::string> split_tls(const std::string& list) {
 
 }  // namespace
 
-TransportChoice choose_transports(Accelerator accelerator, const std::vector<std::string>& available,
-                                  const char* user_tls, const std::string& other) {
+TransportChoice choose_transports(Accelerator accelerator,
+                                  const std::vector<std::string>& available, const char* user_tls,
+                                  const std::string& other) {
   TransportChoice c;
   c.accelerator = accelerator;
   if (accelerator == Accelerator::kUnknown) {
@@ -107,12 +114,12 @@ TransportChoice choose_transports(Accelerator accelerator, const std::vector<std
   });
   c.copy_allowed = deny ? !named : named;
   if (!c.copy_allowed) {
-    c.warnings.push_back("commux: UCX_TLS=" + tls + (deny ? " excludes " : " does not include ") +
-                         f->copy + ", so UCX will not detect " + accelerator_name(accelerator) +
-                         " memory and device tensors will fail; " +
-                         (deny ? "remove it from the deny list" : "add " + std::string(f->copy) +
-                                                                      " to the list") +
-                         " (commux leaves your UCX_TLS as it is)");
+    c.warnings.push_back(
+        "commux: UCX_TLS=" + tls + (deny ? " excludes " : " does not include ") + f->copy +
+        ", so UCX will not detect " + accelerator_name(accelerator) +
+        " memory and device tensors will fail; " +
+        (deny ? "remove it from the deny list" : "add " + std::string(f->copy) + " to the list") +
+        " (commux leaves your UCX_TLS as it is)");
   }
   return c;
 }

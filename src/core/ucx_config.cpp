@@ -17,7 +17,8 @@ bool running_under_hypervisor() {
     std::ifstream in("/proc/cpuinfo");
     std::string line;
     while (std::getline(in, line)) {
-      if (line.rfind("flags", 0) == 0) return (line + " ").find(" hypervisor ") != std::string::npos;
+      if (line.rfind("flags", 0) == 0)
+        return (line + " ").find(" hypervisor ") != std::string::npos;
     }
     return false;
   }();
@@ -58,8 +59,8 @@ std::vector<std::string> apply_ucx_defaults(ucp_config_t* config, std::vector<st
 
 bool tls_excludes_shared_memory(const char* tls) {
   if (tls == nullptr || *tls == '\0' || *tls == '^') return false;  // unset, or a deny list
-  static const char* const kShared[] = {"all", "sm", "shm", "posix", "sysv", "xpmem", "knem", "cma",
-                                        "cuda_ipc", "rocm_ipc"};
+  static const char* const kShared[] = {"all",   "sm",   "shm", "posix",    "sysv",
+                                        "xpmem", "knem", "cma", "cuda_ipc", "rocm_ipc"};
   std::string list = tls;
   std::size_t start = 0;
   while (start <= list.size()) {

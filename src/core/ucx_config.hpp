@@ -9,7 +9,7 @@
 namespace commux::detail {
 
 struct UcxDefault {
-  const char* name;   // UCX configuration name without the UCX_ prefix
+  const char* name;  // UCX configuration name without the UCX_ prefix
   const char* value;
   const char* why;
   bool (*applies)();  // nullptr: always

@@ -78,7 +78,9 @@ class Worker {
   // After setting an Op's done flag: wakes the threads sleeping in wait(), if any.
   void notify_done() {
     if (sleepers_.load() > 0) {
-      { std::lock_guard<std::mutex> g(done_mu_); }
+      {
+        std::lock_guard<std::mutex> g(done_mu_);
+      }
       done_cv_.notify_all();
     }
   }
@@ -100,10 +102,10 @@ class Worker {
   // the Engine (and so this Worker) alive through its Op, so none can be using it once it is
   // closed. Closing it in shutdown() instead would race with those kicks.
   int wake_fd_ = -1;
-  Op* inflight_ = nullptr;         // [mu] intrusive list of in-flight ops
+  Op* inflight_ = nullptr;  // [mu] intrusive list of in-flight ops
   std::atomic<int> inflight_count_{0};
-  std::atomic<int> spinners_{0};   // threads spinning in wait(): the progress thread stays off
-  std::atomic<int> sleepers_{0};   // threads sleeping in wait(): completions notify done_cv_
+  std::atomic<int> spinners_{0};  // threads spinning in wait(): the progress thread stays off
+  std::atomic<int> sleepers_{0};  // threads sleeping in wait(): completions notify done_cv_
   std::mutex done_mu_;
   std::condition_variable done_cv_;
   std::thread progress_thread_;

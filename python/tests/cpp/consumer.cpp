@@ -8,12 +8,12 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(cond)                                                                   \
-  do {                                                                                \
-    if (!(cond)) {                                                                    \
+#define CHECK(cond)                                                                         \
+  do {                                                                                      \
+    if (!(cond)) {                                                                          \
       std::fprintf(stderr, "rank %d: check failed: %s (line %d)\n", rank, #cond, __LINE__); \
-      return 1;                                                                       \
-    }                                                                                 \
+      return 1;                                                                             \
+    }                                                                                       \
   } while (0)
 
 int main(int argc, char** argv) {
@@ -21,8 +21,8 @@ int main(int argc, char** argv) {
   const int rank = std::atoi(argv[1]);
   const int size = std::atoi(argv[2]);
   auto store = c10::make_intrusive<c10d::FileStore>(argv[3], size);
-  auto ucx = c10::make_intrusive<commux::ProcessGroupUCX>(store, rank, size,
-                                                          std::chrono::seconds(30));
+  auto ucx =
+      c10::make_intrusive<commux::ProcessGroupUCX>(store, rank, size, std::chrono::seconds(30));
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, ucx);
   pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::CUSTOM, ucx);

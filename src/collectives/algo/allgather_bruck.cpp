@@ -23,7 +23,8 @@ void run(Exchange& ex, const AllgatherArgs& a) {
   ex.phase("bruck");
   for (const auto& st : pattern::bruck(r, n)) {
     const std::size_t len = static_cast<std::size_t>(st.blocks) * bytes;
-    const std::size_t id = ex.recv_work(tmp + static_cast<std::size_t>(st.recv_at) * bytes, len, st.recv_from);
+    const std::size_t id =
+        ex.recv_work(tmp + static_cast<std::size_t>(st.recv_at) * bytes, len, st.recv_from);
     const std::size_t s = ex.send_work(tmp, len, st.send_to);
     ex.wait(id);
     expect_bytes(ex, id, st.recv_from, len, "(bruck)");

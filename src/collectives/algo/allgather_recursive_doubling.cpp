@@ -19,7 +19,8 @@ void run(Exchange& ex, const AllgatherArgs& a) {
   ex.phase("local copy");
   ex.copy(a.out + static_cast<std::size_t>(r) * bytes, ex.mem(), a.in, ex.mem(), bytes);
   std::vector<std::size_t> boff(static_cast<std::size_t>(n) + 1);
-  for (int b = 0; b <= n; ++b) boff[static_cast<std::size_t>(b)] = static_cast<std::size_t>(b) * bytes;
+  for (int b = 0; b <= n; ++b)
+    boff[static_cast<std::size_t>(b)] = static_cast<std::size_t>(b) * bytes;
   doubling_allgather(ex, a.out, boff.data(), r, n, ex.mem());
 }
 

@@ -12,8 +12,8 @@ namespace commux::coll::detail {
 
 std::string size_mismatch(int peer, std::size_t got, std::size_t expected, const char* what) {
   return "peer " + std::to_string(peer) + " sent " + std::to_string(got) + " bytes but " +
-         std::to_string(expected) + " were expected" + (what != nullptr ? std::string(" ") + what : "") +
-         " (the ranks' sizes disagree)";
+         std::to_string(expected) + " were expected" +
+         (what != nullptr ? std::string(" ") + what : "") + " (the ranks' sizes disagree)";
 }
 
 void ring_allgather(Exchange& ex, char* base, const std::size_t* counts, const std::size_t* displs,

@@ -33,7 +33,8 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   auto own = [&](int j) { return buf + (own_off + oc.offset(j)) * es; };
   auto oth = [&](int j) { return buf + (oth_off + xc.offset(j)) * es; };
   char* tmp[2] = {ex.scratch(oc.max() * es), k > 1 ? ex.scratch(oc.max() * es) : nullptr};
-  std::vector<std::size_t> recv_own(static_cast<std::size_t>(k)), send_oth(static_cast<std::size_t>(k));
+  std::vector<std::size_t> recv_own(static_cast<std::size_t>(k)),
+      send_oth(static_cast<std::size_t>(k));
   const auto ku = static_cast<std::size_t>(k);
   auto post_pair = [&](int j) {
     const auto ju = static_cast<std::size_t>(j);

@@ -29,7 +29,8 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   if (rd.role == Role::kFoldIn) fold_in(ex, a.buf, a.count, a.t, a.op, rd.fold_peer);
   const int p = pattern::pow2_floor(n), q = pattern::fold_newrank(r, n);
   const pattern::Blocks bl{a.count, p};
-  std::vector<std::size_t> off(static_cast<std::size_t>(p) + 1), boff(static_cast<std::size_t>(p) + 1);
+  std::vector<std::size_t> off(static_cast<std::size_t>(p) + 1),
+      boff(static_cast<std::size_t>(p) + 1);
   for (int b = 0; b <= p; ++b) {
     off[static_cast<std::size_t>(b)] = b < p ? bl.offset(b) : a.count;
     boff[static_cast<std::size_t>(b)] = off[static_cast<std::size_t>(b)] * es;

@@ -28,7 +28,9 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   const pattern::Blocks bl{a.count, n};
   const int left = pattern::ring_left(r, n), right = pattern::ring_right(r, n);
   auto at = [&](int b) { return a.buf + bl.offset(b) * es; };
-  auto chunks = [&](int b) { return pattern::Blocks{bl.size(b), pipeline_chunks(bl.size(b) * es)}; };
+  auto chunks = [&](int b) {
+    return pattern::Blocks{bl.size(b), pipeline_chunks(bl.size(b) * es)};
+  };
   std::size_t max_chunk = 0;
   for (int b = 0; b < n; ++b) max_chunk = std::max(max_chunk, chunks(b).max());
   // The receives, in order: (step, chunk).
@@ -63,7 +65,8 @@ void run(Exchange& ex, const AllreduceArgs& a) {
     ex.reduce(dst, slot[i % static_cast<std::size_t>(nslots)], dst, c.size(j), a.t, a.op);
     // Block b is what this rank sends at step s + 1: forward the chunk at once.
     if (s + 1 < n - 1) ex.send_work(dst, c.size(j) * es, right);
-    if (i + static_cast<std::size_t>(nslots) < items.size()) post(i + static_cast<std::size_t>(nslots));
+    if (i + static_cast<std::size_t>(nslots) < items.size())
+      post(i + static_cast<std::size_t>(nslots));
   }
   // The allgather receives into blocks that were sent above: those sends must be complete.
   ex.wait_all();

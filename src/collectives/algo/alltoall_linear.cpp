@@ -12,10 +12,11 @@ namespace commux::coll::detail {
 void alltoall_check(Exchange& ex, std::size_t id, int p, std::size_t expected) {
   const std::size_t got = ex.bytes(id);
   if (got != expected) {
-    ex.fail(Errc::kInvalidArgument,
-            "peer " + std::to_string(p) + " sent " + std::to_string(got) + " bytes but recv_counts[" +
-                std::to_string(p) + "] on rank " + std::to_string(ex.rank()) + " is " +
-                std::to_string(expected) + " (the send and receive splits of the two ranks disagree)");
+    ex.fail(Errc::kInvalidArgument, "peer " + std::to_string(p) + " sent " + std::to_string(got) +
+                                        " bytes but recv_counts[" + std::to_string(p) +
+                                        "] on rank " + std::to_string(ex.rank()) + " is " +
+                                        std::to_string(expected) +
+                                        " (the send and receive splits of the two ranks disagree)");
   }
 }
 
@@ -36,7 +37,8 @@ void run(Exchange& ex, const AlltoallArgs& a) {
     ex.send_user(a.in + a.send_displs[p], a.send_counts[p], static_cast<int>(p));
   }
   const auto me = static_cast<std::size_t>(r);
-  ex.copy(a.out + a.recv_displs[me], ex.mem(), a.in + a.send_displs[me], ex.mem(), a.send_counts[me]);
+  ex.copy(a.out + a.recv_displs[me], ex.mem(), a.in + a.send_displs[me], ex.mem(),
+          a.send_counts[me]);
   for (int i = 1; i < n; ++i) {
     const auto p = static_cast<std::size_t>(pattern::pairwise_recv_from(r, n, i));
     ex.wait(recvs[p]);

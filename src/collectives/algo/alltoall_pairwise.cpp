@@ -33,12 +33,14 @@ void run(Exchange& ex, const AlltoallArgs& a) {
   windowed_steps(
       n, post,
       [&] {
-        ex.copy(a.out + a.recv_displs[me], ex.mem(), a.in + a.send_displs[me], ex.mem(), a.send_counts[me]);
+        ex.copy(a.out + a.recv_displs[me], ex.mem(), a.in + a.send_displs[me], ex.mem(),
+                a.send_counts[me]);
       },
       [&](int i) {
         const int from = pattern::pairwise_recv_from(r, n, i);
         ex.wait(rid[static_cast<std::size_t>(i)]);
-        alltoall_check(ex, rid[static_cast<std::size_t>(i)], from, a.recv_counts[static_cast<std::size_t>(from)]);
+        alltoall_check(ex, rid[static_cast<std::size_t>(i)], from,
+                       a.recv_counts[static_cast<std::size_t>(from)]);
         ex.wait(sid[static_cast<std::size_t>(i)]);
       });
   ex.wait_all();

@@ -22,14 +22,18 @@ void run(Exchange& ex, const RootedArgs& a) {
   std::vector<std::size_t> ids(static_cast<std::size_t>(n));
   auto post = [&](int i) {
     const int p = pattern::mod(root + i, n);
-    ids[static_cast<std::size_t>(i)] = ex.recv_user(a.out + static_cast<std::size_t>(p) * a.bytes, a.bytes, p);
+    ids[static_cast<std::size_t>(i)] =
+        ex.recv_user(a.out + static_cast<std::size_t>(p) * a.bytes, a.bytes, p);
   };
   windowed_steps(
       n, post,
-      [&] { ex.copy(a.out + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.in, ex.mem(), a.bytes); },
+      [&] {
+        ex.copy(a.out + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.in, ex.mem(), a.bytes);
+      },
       [&](int i) {
         ex.wait(ids[static_cast<std::size_t>(i)]);
-        expect_bytes(ex, ids[static_cast<std::size_t>(i)], pattern::mod(root + i, n), a.bytes, nullptr);
+        expect_bytes(ex, ids[static_cast<std::size_t>(i)], pattern::mod(root + i, n), a.bytes,
+                     nullptr);
       });
 }
 

@@ -49,7 +49,8 @@ void recursive_halving(Exchange& ex, const HalvingIo& io, const std::size_t* off
     max_chunk = std::max(max_chunk, pattern::Blocks{kn, pipeline_chunks(kn * es)}.max());
   }
   constexpr std::size_t kSlots = 3;
-  char* slot[kSlots] = {ex.scratch(max_chunk * es), ex.scratch(max_chunk * es), ex.scratch(max_chunk * es)};
+  char* slot[kSlots] = {ex.scratch(max_chunk * es), ex.scratch(max_chunk * es),
+                        ex.scratch(max_chunk * es)};
   auto acc = [&](std::size_t e) { return io.acc + (e - io.acc_first) * es; };
   ex.phase("recursive halving");
   for (std::size_t k = 0; k < steps.size(); ++k) {
@@ -86,19 +87,22 @@ void recursive_halving(Exchange& ex, const HalvingIo& io, const std::size_t* off
     // Sends read ranges that are not written again during the halving; waited for below.
   }
   if (steps.empty() && io.last != nullptr) {
-    ex.copy(io.last, ex.work_mem(), io.src + off[q] * es, ex.work_mem(), (off[q + 1] - off[q]) * es);
+    ex.copy(io.last, ex.work_mem(), io.src + off[q] * es, ex.work_mem(),
+            (off[q + 1] - off[q]) * es);
   }
   ex.wait_all();
 }
 
-void doubling_allgather(Exchange& ex, char* base, const std::size_t* boff, int q, int n, MemoryType mem) {
+void doubling_allgather(Exchange& ex, char* base, const std::size_t* boff, int q, int n,
+                        MemoryType mem) {
   const int p = pattern::pow2_floor(n);
   ex.phase("recursive doubling allgather");
   for (const auto& st : pattern::recursive_doubling_allgather(q, p)) {
     const int peer = pattern::fold_real(st.partner, n);
     const std::size_t rbytes = boff[st.recv_hi] - boff[st.recv_lo];
     const std::size_t id = ex.recv(base + boff[st.recv_lo], rbytes, peer, mem);
-    const std::size_t s = ex.send(base + boff[st.send_lo], boff[st.send_hi] - boff[st.send_lo], peer, mem);
+    const std::size_t s =
+        ex.send(base + boff[st.send_lo], boff[st.send_hi] - boff[st.send_lo], peer, mem);
     ex.wait(id);
     expect_bytes(ex, id, peer, rbytes, "(recursive doubling allgather)");
     ex.wait(s);

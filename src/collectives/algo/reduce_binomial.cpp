@@ -71,6 +71,7 @@ void run(Exchange& ex, const ReduceArgs& a) {
 }  // namespace
 
 // The tree only reads a non-root rank's buffer: it receives children's partials into scratch.
-const Algorithm<ReduceArgs> reduce_binomial = {"binomial", nullptr, run, /*keeps_nonroot_buffer=*/true};
+const Algorithm<ReduceArgs> reduce_binomial = {"binomial", nullptr, run,
+                                               /*keeps_nonroot_buffer=*/true};
 
 }  // namespace commux::coll::detail::algo

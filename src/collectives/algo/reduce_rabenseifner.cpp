@@ -41,7 +41,8 @@ void run(Exchange& ex, const ReduceArgs& a) {
   for (const auto& st : pattern::halving_gather(q, qroot, p)) {
     const int peer = pattern::fold_real(st.partner, n);
     char* at = a.buf + off[static_cast<std::size_t>(st.lo)] * es;
-    const std::size_t len = (off[static_cast<std::size_t>(st.hi)] - off[static_cast<std::size_t>(st.lo)]) * es;
+    const std::size_t len =
+        (off[static_cast<std::size_t>(st.hi)] - off[static_cast<std::size_t>(st.lo)]) * es;
     if (st.send) {
       ex.wait(ex.send_work(at, len, peer));
     } else {

@@ -25,6 +25,7 @@ void run(Exchange& ex, const ReduceScatterArgs& a) {
 
 }  // namespace
 
-const Algorithm<ReduceScatterArgs> reduce_scatter_recursive_halving = {"recursive_halving", accepts, run};
+const Algorithm<ReduceScatterArgs> reduce_scatter_recursive_halving = {"recursive_halving", accepts,
+                                                                       run};
 
 }  // namespace commux::coll::detail::algo

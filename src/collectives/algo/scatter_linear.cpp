@@ -20,11 +20,14 @@ void run(Exchange& ex, const RootedArgs& a) {
   std::vector<std::size_t> ids(static_cast<std::size_t>(n));
   auto post = [&](int i) {
     const int p = pattern::mod(root + i, n);
-    ids[static_cast<std::size_t>(i)] = ex.send_user(a.in + static_cast<std::size_t>(p) * a.bytes, a.bytes, p);
+    ids[static_cast<std::size_t>(i)] =
+        ex.send_user(a.in + static_cast<std::size_t>(p) * a.bytes, a.bytes, p);
   };
   windowed_steps(
       n, post,
-      [&] { ex.copy(a.out, ex.mem(), a.in + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.bytes); },
+      [&] {
+        ex.copy(a.out, ex.mem(), a.in + static_cast<std::size_t>(r) * a.bytes, ex.mem(), a.bytes);
+      },
       [&](int i) { ex.wait(ids[static_cast<std::size_t>(i)]); });
 }
 
