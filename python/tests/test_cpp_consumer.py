@@ -3,6 +3,7 @@ torch's headers and libraries) and uses commux::ProcessGroupUCX as a c10d::Proce
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
