@@ -59,8 +59,9 @@ TEST(TensorChecks, AcceptsValidTensors) {
 }
 
 TEST(TensorChecks, Contiguity) {
-  expect_message(refusal([] { cd::check_tensor("allreduce", at::empty({4, 3}).t()); }), "allreduce",
-                 "tensor must be contiguous (sizes [3, 4], strides [1, 3]); call .contiguous() first");
+  expect_message(
+      refusal([] { cd::check_tensor("allreduce", at::empty({4, 3}).t()); }), "allreduce",
+      "tensor must be contiguous (sizes [3, 4], strides [1, 3]); call .contiguous() first");
   expect_message(refusal([] { cd::check_tensor("send", at::Tensor(), "input"); }), "send",
                  "input is undefined");
   expect_message(refusal([] { cd::check_tensor("allreduce", f32(4).to_sparse()); }), "allreduce",
@@ -68,8 +69,9 @@ TEST(TensorChecks, Contiguity) {
 }
 
 TEST(TensorChecks, DeviceCommuxCannotCarry) {
-  expect_message(refusal([] { cd::check_tensor("broadcast", at::empty({2}, at::device(at::kMeta))); }),
-                 "broadcast", "tensor is on meta: commux carries CPU, CUDA, ROCm and Intel XPU tensors only");
+  expect_message(
+      refusal([] { cd::check_tensor("broadcast", at::empty({2}, at::device(at::kMeta))); }),
+      "broadcast", "tensor is on meta: commux carries CPU, CUDA, ROCm and Intel XPU tensors only");
 }
 
 TEST(TensorChecks, SingleAndSame) {
@@ -77,41 +79,52 @@ TEST(TensorChecks, SingleAndSame) {
                  "expects exactly one tensor per process, got 2");
   expect_message(refusal([] { cd::check_same("allgather", f32(4), f32(3), "output tensor"); }),
                  "allgather", "output tensor has 3 elements but the input has 4");
-  expect_message(
-      refusal([] { cd::check_same("allgather", f32(4), at::ones({4}, at::kDouble), "output tensor"); }),
-      "allgather", "output tensor has dtype Double but the input has Float");
+  expect_message(refusal([] {
+                   cd::check_same("allgather", f32(4), at::ones({4}, at::kDouble), "output tensor");
+                 }),
+                 "allgather", "output tensor has dtype Double but the input has Float");
 }
 
 TEST(TensorChecks, RootAndRootLists) {
   expect_message(refusal([] { cd::check_root("reduce", 4, 4); }), "reduce",
                  "root rank 4 is outside the group (size 4)");
   expect_message(refusal([] { cd::check_root("reduce", -1, 4); }), "reduce", "root rank -1");
-  expect_message(refusal([] { cd::root_list("gather", {{f32(2)}}, f32(2), false, 0, 4, "output"); }),
+  expect_message(refusal(
+                     [] { cd::root_list("gather", {{f32(2)}}, f32(2), false, 0, 4, "output"); }),
                  "gather", "only the root (rank 0) takes output tensors");
   expect_message(refusal([] { cd::root_list("scatter", {{f32(2)}}, f32(2), true, 1, 4, "input"); }),
                  "scatter", "the root expects one input list of 4 tensors, got 1 tensors");
   const cd::GroupScope scope(kGroup, 1, 4);
   EXPECT_TRUE(cd::root_list("gather", {}, f32(2), false, 0, 4, "output").empty());
-  EXPECT_EQ(cd::root_list("gather", {{f32(2), f32(2), f32(2), f32(2)}}, f32(2), true, 0, 4, "output").size(), 4u);
+  EXPECT_EQ(cd::root_list("gather", {{f32(2), f32(2), f32(2), f32(2)}}, f32(2), true, 0, 4,
+                          "output")
+                .size(),
+            4u);
 }
 
 TEST(TensorChecks, Blocks) {
-  expect_message(refusal([] { cd::check_blocks("_allgather_base", f32(4), "input", f32(6), "output", 4); }),
-                 "_allgather_base",
-                 "output must have the input's dtype and 4 times its elements (input: 4 Float, output: 6 Float)");
   expect_message(refusal([] {
-                   cd::check_blocks_coalesced("allgather_into_tensor_coalesced", {f32(8)}, {f32(2), f32(2)}, 4,
-                                              true);
+                   cd::check_blocks("_allgather_base", f32(4), "input", f32(6), "output", 4);
+                 }),
+                 "_allgather_base",
+                 "output must have the input's dtype and 4 times its elements (input: 4 Float, "
+                 "output: 6 Float)");
+  expect_message(refusal([] {
+                   cd::check_blocks_coalesced("allgather_into_tensor_coalesced", {f32(8)},
+                                              {f32(2), f32(2)}, 4, true);
                  }),
                  "allgather_into_tensor_coalesced", "needs one output per input");
   expect_message(refusal([] {
-                   cd::check_blocks_coalesced("reduce_scatter_tensor_coalesced", {f32(2)}, {f32(4)}, 4, false);
+                   cd::check_blocks_coalesced("reduce_scatter_tensor_coalesced", {f32(2)}, {f32(4)},
+                                              4, false);
                  }),
-                 "reduce_scatter_tensor_coalesced", "input 0 must have the output 0's dtype and 4 times");
+                 "reduce_scatter_tensor_coalesced",
+                 "input 0 must have the output 0's dtype and 4 times");
 }
 
 TEST(TensorChecks, PointToPoint) {
-  expect_message(refusal([] { cd::check_p2p("send", {}, 0, 4, true, 0); }), "send", "needs at least one tensor");
+  expect_message(refusal([] { cd::check_p2p("send", {}, 0, 4, true, 0); }), "send",
+                 "needs at least one tensor");
   expect_message(refusal([] { cd::check_p2p("send", {f32(1)}, 4, 4, true, 0); }), "send",
                  "destination rank 4 is outside the group");
   expect_message(refusal([] { cd::check_p2p("recv", {f32(1)}, -2, 4, false, 0); }), "recv",
@@ -121,35 +134,54 @@ TEST(TensorChecks, PointToPoint) {
 }
 
 TEST(TensorChecks, Lists) {
-  expect_message(refusal([] { cd::check_coalesced("allreduce_coalesced", {f32(2), at::ones({2}, at::kDouble)}); }),
+  expect_message(refusal([] {
+                   cd::check_coalesced("allreduce_coalesced", {f32(2), at::ones({2}, at::kDouble)});
+                 }),
                  "allreduce_coalesced", "all tensors must have one dtype");
-  expect_message(refusal([] { cd::check_coalesced("allreduce_coalesced", {}); }), "allreduce_coalesced",
-                 "needs at least one tensor");
-  expect_message(refusal([] { cd::check_allgather_outputs("allgather", {{f32(2)}, {f32(2)}}, f32(2), 4); }),
+  expect_message(refusal([] { cd::check_coalesced("allreduce_coalesced", {}); }),
+                 "allreduce_coalesced", "needs at least one tensor");
+  expect_message(refusal([] {
+                   cd::check_allgather_outputs("allgather", {{f32(2)}, {f32(2)}}, f32(2), 4);
+                 }),
                  "allgather", "expects one output list of 4 tensors, got 2 lists");
-  expect_message(refusal([] { cd::check_allgather_coalesced("allgather_coalesced", {{f32(2)}}, {f32(2)}, 4); }),
+  expect_message(refusal([] {
+                   cd::check_allgather_coalesced("allgather_coalesced", {{f32(2)}}, {f32(2)}, 4);
+                 }),
                  "allgather_coalesced", "expects 4 output lists, got 1");
-  expect_message(refusal([] { cd::check_reduce_scatter_inputs("reduce_scatter", {{f32(2)}}, f32(2), 4); }),
+  expect_message(refusal([] {
+                   cd::check_reduce_scatter_inputs("reduce_scatter", {{f32(2)}}, f32(2), 4);
+                 }),
                  "reduce_scatter", "expects one input list of 4 tensors");
-  expect_message(refusal([] { cd::check_alltoall_base("alltoall_base", f32(4), at::ones({4}, at::kDouble)); }),
+  expect_message(refusal([] {
+                   cd::check_alltoall_base("alltoall_base", f32(4), at::ones({4}, at::kDouble));
+                 }),
                  "alltoall_base", "input and output dtypes differ");
-  expect_message(refusal([] { cd::check_alltoall("alltoall", {f32(1), f32(1)}, {f32(1)}, 4); }), "alltoall",
-                 "expects 4 input and output tensors, got 1 and 2");
+  expect_message(refusal([] { cd::check_alltoall("alltoall", {f32(1), f32(1)}, {f32(1)}, 4); }),
+                 "alltoall", "expects 4 input and output tensors, got 1 and 2");
 }
 
 TEST(TensorChecks, SplitSizes) {
   std::vector<std::size_t> counts, displs;
-  expect_message(refusal([&] { cd::split_bytes("alltoall_base", "input", f32(6), {}, 4, counts, displs); }),
-                 "alltoall_base", "input has 6 rows, not divisible by the group size 4; pass split sizes");
-  expect_message(refusal([&] { cd::split_bytes("alltoall_base", "output", f32(4), {4}, 4, counts, displs); }),
+  expect_message(
+      refusal([&] { cd::split_bytes("alltoall_base", "input", f32(6), {}, 4, counts, displs); }),
+      "alltoall_base", "input has 6 rows, not divisible by the group size 4; pass split sizes");
+  expect_message(refusal([&] {
+                   cd::split_bytes("alltoall_base", "output", f32(4), {4}, 4, counts, displs);
+                 }),
                  "alltoall_base", "output split sizes have 1 entries but the group has 4 ranks");
-  expect_message(
-      refusal([&] { cd::split_bytes("alltoall_base", "input", f32(4), {2, 2, 1, -1}, 4, counts, displs); }),
-      "alltoall_base", "input split sizes contain a negative entry");
-  expect_message(
-      refusal([&] { cd::split_bytes("alltoall_base", "input", f32(4), {2, 2, 1, 0}, 4, counts, displs); }),
-      "alltoall_base", "input split sizes add up to 5 but the tensor has 4 rows");
-  expect_message(refusal([&] { cd::split_bytes("alltoall_base", "input", at::ones({}), {}, 4, counts, displs); }),
+  expect_message(refusal([&] {
+                   cd::split_bytes("alltoall_base", "input", f32(4), {2, 2, 1, -1}, 4, counts,
+                                   displs);
+                 }),
+                 "alltoall_base", "input split sizes contain a negative entry");
+  expect_message(refusal([&] {
+                   cd::split_bytes("alltoall_base", "input", f32(4), {2, 2, 1, 0}, 4, counts,
+                                   displs);
+                 }),
+                 "alltoall_base", "input split sizes add up to 5 but the tensor has 4 rows");
+  expect_message(refusal([&] {
+                   cd::split_bytes("alltoall_base", "input", at::ones({}), {}, 4, counts, displs);
+                 }),
                  "alltoall_base", "input must have at least one dimension");
   // Accepted: bytes and displacements of rows of 3 floats.
   const cd::GroupScope scope(kGroup, 1, 4);
@@ -160,9 +192,9 @@ TEST(TensorChecks, SplitSizes) {
 
 TEST(Types, DtypeTableRoundTrips) {
   const cd::GroupScope scope(kGroup, 1, 4);
-  for (const at::ScalarType s : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kShort,
-                                 at::kInt, at::kLong, at::kByte, at::kBool, at::kComplexFloat,
-                                 at::kComplexDouble}) {
+  for (const at::ScalarType s :
+       {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kShort, at::kInt,
+        at::kLong, at::kByte, at::kBool, at::kComplexFloat, at::kComplexDouble}) {
     EXPECT_EQ(cd::scalar_type(cd::to_dtype("allreduce", s)), s) << c10::toString(s);
   }
   EXPECT_EQ(cd::to_dtype("allreduce", at::kBFloat16), commux::DataType::kBFloat16);
@@ -175,17 +207,25 @@ TEST(Types, ReduceOpTable) {
     const cd::GroupScope scope(kGroup, 1, 4);
     EXPECT_EQ(cd::to_reduction("allreduce", c10d::ReduceOp(c10d::ReduceOp::MAX), at::kInt).op,
               commux::ReduceOp::kMax);
-    const cd::Reduction avg = cd::to_reduction("allreduce", c10d::ReduceOp(c10d::ReduceOp::AVG), at::kFloat);
+    const cd::Reduction avg =
+        cd::to_reduction("allreduce", c10d::ReduceOp(c10d::ReduceOp::AVG), at::kFloat);
     EXPECT_EQ(avg.op, commux::ReduceOp::kSum);
     EXPECT_TRUE(avg.average);
     EXPECT_STREQ(cd::c10d_op_name(c10d::ReduceOp::PREMUL_SUM), "PREMUL_SUM");
     EXPECT_STREQ(cd::c10d_op_name(c10d::ReduceOp::UNUSED), "UNUSED");
   }
-  expect_message(refusal([] { cd::to_reduction("reduce", c10d::ReduceOp(c10d::ReduceOp::AVG), at::kInt); }),
+  expect_message(refusal([] {
+                   cd::to_reduction("reduce", c10d::ReduceOp(c10d::ReduceOp::AVG), at::kInt);
+                 }),
                  "reduce",
-                 "ReduceOp AVG needs a floating-point or complex tensor, got int32 (use SUM and divide yourself)");
-  expect_message(refusal([] { cd::to_reduction("reduce", c10d::ReduceOp(c10d::ReduceOp::UNUSED), at::kInt); }),
+                 "ReduceOp AVG needs a floating-point or complex tensor, got int32 (use SUM and "
+                 "divide yourself)");
+  expect_message(refusal([] {
+                   cd::to_reduction("reduce", c10d::ReduceOp(c10d::ReduceOp::UNUSED), at::kInt);
+                 }),
                  "reduce", "ReduceOp UNUSED is not supported");
-  expect_message(refusal([] { cd::to_reduction("allreduce", c10d::ReduceOp(c10d::ReduceOp::BAND), at::kFloat); }),
+  expect_message(refusal([] {
+                   cd::to_reduction("allreduce", c10d::ReduceOp(c10d::ReduceOp::BAND), at::kFloat);
+                 }),
                  "allreduce", "BAND");
 }

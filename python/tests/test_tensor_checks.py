@@ -37,9 +37,11 @@ CASES = {
     "allgather list of wrong length": ("allgather", "expects one output list of 2 tensors, got 3 tensors"),
     # check_blocks
     "allgather_into_tensor output too small": (
-        "_allgather_base", "output must have the input's dtype and 2 times its elements (input: 4 Float, output: 6 Float)"),
+        "_allgather_base",
+        "output must have the input's dtype and 2 times its elements (input: 4 Float, output: 6 Float)"),
     "reduce_scatter_tensor input too small": (
-        "_reduce_scatter_base", "input must have the output's dtype and 2 times its elements (output: 4 Float, input: 4 Float)"),
+        "_reduce_scatter_base",
+        "input must have the output's dtype and 2 times its elements (output: 4 Float, input: 4 Float)"),
     # root_list
     "gather list on a non-root": ("gather", "only the root (rank 0) takes output tensors"),
     "scatter list of wrong length": ("scatter", "the root expects one input list of 2 tensors, got 1 tensors"),
@@ -89,13 +91,16 @@ def _calls(ctx):
         "allgather output of another size": lambda: dist.all_gather([torch.zeros(3) for _ in range(W)], torch.ones(4)),
         "allgather output of another dtype": lambda: pg.allgather(
             [[torch.zeros(4, dtype=torch.double) for _ in range(W)]], [torch.ones(4)]).wait(),
-        "allgather list of wrong length": lambda: dist.all_gather([torch.zeros(4) for _ in range(W + 1)], torch.ones(4)),
+        "allgather list of wrong length": lambda: dist.all_gather(
+            [torch.zeros(4) for _ in range(W + 1)], torch.ones(4)),
         "allgather_into_tensor output too small": lambda: dist.all_gather_into_tensor(torch.zeros(6), torch.ones(4)),
         "reduce_scatter_tensor input too small": lambda: dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4)),
-        "gather list on a non-root": (lambda: pg.gather([[torch.zeros(4) for _ in range(W)]], [torch.ones(4)],
-                                                        opts(dist.GatherOptions, rootRank=0)).wait()) if me != 0 else None,
-        "scatter list of wrong length": (lambda: dist.scatter(torch.zeros(4), scatter_list=[torch.ones(4)], src=0))
-        if me == 0 else None,
+        # (each on the one rank where the backend's check, not torch's Python layer, answers)
+        "gather list on a non-root": (lambda: pg.gather(
+            [[torch.zeros(4) for _ in range(W)]], [torch.ones(4)],
+            opts(dist.GatherOptions, rootRank=0)).wait()) if me != 0 else None,
+        "scatter list of wrong length": (lambda: dist.scatter(
+            torch.zeros(4), scatter_list=[torch.ones(4)], src=0)) if me == 0 else None,
         # (the dispatcher refuses an empty list before any backend: asked of the backend itself)
         "send without tensors": lambda: pg._get_backend(torch.device("cpu")).send([], peer, 0).wait(),
         "send to a rank outside the group": lambda: pg.send([torch.ones(4)], W, 0).wait(),

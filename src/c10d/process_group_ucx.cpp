@@ -1,5 +1,6 @@
-// The torch adapter: maps tensors, dtypes, ReduceOps and c10d::Work onto commux's point-to-point
-// (src/core) and collectives (src/collectives). No UCX calls here.
+// The torch adapter: ProcessGroupUCX (its Impl, process_group_ucx_internal.hpp) maps tensors and
+// c10d::Work onto commux's point-to-point (src/core) and collectives (src/collectives), with the
+// dtype / ReduceOp tables of types.hpp and the argument checks of tensor_checks.hpp. No UCX calls.
 #include "commux/process_group_ucx.hpp"
 
 #include <ATen/ATen.h>

@@ -68,9 +68,9 @@ struct ProcessGroupUCX::Impl {
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts);
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts);
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts);
@@ -92,12 +92,13 @@ struct ProcessGroupUCX::Impl {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts);
-  std::vector<std::int64_t> exchange_lanes(const std::string& op, const std::vector<at::Tensor>& sends,
-                                           const std::vector<std::vector<std::int64_t>>& send_bytes,
-                                           const std::vector<at::Tensor>& recvs,
-                                           const std::vector<std::vector<std::int64_t>>& recv_offsets,
-                                           const std::vector<std::vector<std::int64_t>>& recv_capacity,
-                                           std::chrono::milliseconds timeout);
+  std::vector<std::int64_t> exchange_lanes(
+      const std::string& op, const std::vector<at::Tensor>& sends,
+      const std::vector<std::vector<std::int64_t>>& send_bytes,
+      const std::vector<at::Tensor>& recvs,
+      const std::vector<std::vector<std::int64_t>>& recv_offsets,
+      const std::vector<std::vector<std::int64_t>>& recv_capacity,
+      std::chrono::milliseconds timeout);
 
   // Queues `body` for the worker thread; the returned Work completes when it has run.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* op_name,

@@ -11,7 +11,8 @@ namespace commux::c10d_detail {
 
 void check_tensor(const char* op, const at::Tensor& t, const char* what) {
   if (!t.defined()) invalid(op, std::string(what) + " is undefined");
-  if (t.layout() != at::kStrided) invalid(op, std::string(what) + " must be dense (got a sparse tensor)");
+  if (t.layout() != at::kStrided)
+    invalid(op, std::string(what) + " must be dense (got a sparse tensor)");
   if (!t.is_contiguous()) {
     invalid(op, std::string(what) + " must be contiguous (sizes " + c10::str(t.sizes()) +
                     ", strides " + c10::str(t.strides()) + "); call .contiguous() first");
@@ -78,7 +79,8 @@ std::vector<at::Tensor> root_list(const char* op, const std::vector<std::vector<
     return {};
   }
   if (lists.size() != 1 || lists[0].size() != static_cast<std::size_t>(size)) {
-    invalid(op, "the root expects one " + what + " list of " + std::to_string(size) + " tensors, got " +
+    invalid(op, "the root expects one " + what + " list of " + std::to_string(size) +
+                    " tensors, got " +
                     (lists.size() == 1 ? std::to_string(lists[0].size()) + " tensors"
                                        : std::to_string(lists.size()) + " lists"));
   }
@@ -127,7 +129,8 @@ void check_allgather_coalesced(const char* op, const std::vector<std::vector<at:
   }
   for (auto& list : outputs) {
     if (list.size() != inputs.size()) invalid(op, "each output list needs one tensor per input");
-    for (std::size_t i = 0; i < inputs.size(); ++i) check_same(op, inputs[i], list[i], "output tensor");
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      check_same(op, inputs[i], list[i], "output tensor");
   }
   for (auto& in : inputs) {
     check_tensor(op, in, "input");

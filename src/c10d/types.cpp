@@ -20,12 +20,18 @@ struct DtypeEntry {
 // Every dtype the collectives carry with a reduction (the others still travel as bytes where an
 // operation does not reduce).
 constexpr DtypeEntry kDtypes[] = {
-    {at::kFloat, DataType::kFloat32},         {at::kDouble, DataType::kFloat64},
-    {at::kHalf, DataType::kFloat16},          {at::kBFloat16, DataType::kBFloat16},
-    {at::kChar, DataType::kInt8},             {at::kShort, DataType::kInt16},
-    {at::kInt, DataType::kInt32},             {at::kLong, DataType::kInt64},
-    {at::kByte, DataType::kUInt8},            {at::kBool, DataType::kBool},
-    {at::kComplexFloat, DataType::kComplex64}, {at::kComplexDouble, DataType::kComplex128},
+    {at::kFloat, DataType::kFloat32},
+    {at::kDouble, DataType::kFloat64},
+    {at::kHalf, DataType::kFloat16},
+    {at::kBFloat16, DataType::kBFloat16},
+    {at::kChar, DataType::kInt8},
+    {at::kShort, DataType::kInt16},
+    {at::kInt, DataType::kInt32},
+    {at::kLong, DataType::kInt64},
+    {at::kByte, DataType::kUInt8},
+    {at::kBool, DataType::kBool},
+    {at::kComplexFloat, DataType::kComplex64},
+    {at::kComplexDouble, DataType::kComplex128},
 };
 
 // Which dtypes a ReduceOp takes before core's check_reduction has its say.
@@ -81,10 +87,12 @@ const char* c10d_op_name(c10d::ReduceOp::RedOpType t) {
 Reduction to_reduction(const char* op, const c10d::ReduceOp& r, at::ScalarType st) {
   const DataType t = to_dtype(op, st);
   const ReduceEntry* e = find_op(r.op_);
-  if (e == nullptr) invalid(op, std::string("ReduceOp ") + c10d_op_name(r.op_) + " is not supported");
+  if (e == nullptr)
+    invalid(op, std::string("ReduceOp ") + c10d_op_name(r.op_) + " is not supported");
   if (e->takes == Takes::kFloatingOrComplex && !is_floating(t) && !is_complex(t)) {
-    invalid(op, std::string("ReduceOp ") + e->name + " needs a floating-point or complex tensor, got " +
-                    dtype_name(t) + " (use SUM and divide yourself)");
+    invalid(op, std::string("ReduceOp ") + e->name +
+                    " needs a floating-point or complex tensor, got " + dtype_name(t) +
+                    " (use SUM and divide yourself)");
   }
   Reduction out;
   out.op = e->commux;

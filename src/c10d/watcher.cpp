@@ -63,8 +63,9 @@ void FutureWatcher::stop() {
     if (!p->poll_future()) {
       std::lock_guard<std::mutex> lk(p->future_mu_);
       if (p->future_ && !p->future_->completed()) {
-        p->future_->setError(to_torch_error(std::make_exception_ptr(Error(
-            Errc::kCanceled, "commux p2p: the process group was shut down before the operation finished"))));
+        p->future_->setError(to_torch_error(std::make_exception_ptr(
+            Error(Errc::kCanceled,
+                  "commux p2p: the process group was shut down before the operation finished"))));
       }
     }
   }
