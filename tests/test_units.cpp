@@ -443,3 +443,29 @@ TEST(Settings, OptionsFromEnvReadsTheEnvironmentNow) {
   ::setenv("COMMUX_SPIN_US", "100", 1);  // as ctest sets it
   EXPECT_FALSE(Options::from_env().defer_in_window);
 }
+
+// RuntimeInfo::supports reads UCX's own names for the memory types (what RuntimeInfo lists), the
+// check core makes before it posts and the torch adapter makes before it accepts a tensor.
+TEST(RuntimeInfoTest, SupportsReadsUcxMemoryTypeNames) {
+  RuntimeInfo host_only;
+  host_only.memory_types = {"host"};
+  EXPECT_TRUE(host_only.supports(MemoryType::kHost));
+  EXPECT_TRUE(host_only.supports(MemoryType::kUnknown));  // UCX detects such a buffer itself
+  EXPECT_FALSE(host_only.supports(MemoryType::kCuda));
+  EXPECT_FALSE(host_only.supports(MemoryType::kRocm));
+  EXPECT_FALSE(host_only.supports(MemoryType::kZe));
+
+  RuntimeInfo cuda;
+  cuda.memory_types = {"host", "cuda", "cuda-managed"};
+  EXPECT_TRUE(cuda.supports(MemoryType::kCuda));
+  EXPECT_TRUE(cuda.supports(MemoryType::kCudaManaged));
+  EXPECT_FALSE(cuda.supports(MemoryType::kRocm));
+
+  RuntimeInfo rocm;
+  rocm.memory_types = {"host", "rocm"};
+  EXPECT_TRUE(rocm.supports(MemoryType::kRocm));
+  EXPECT_FALSE(rocm.supports(MemoryType::kCuda));
+
+  RuntimeInfo none;  // even an empty list: host memory is always carried
+  EXPECT_TRUE(none.supports(MemoryType::kHost));
+}

@@ -19,37 +19,19 @@
 // i.e. its own UCX worker and endpoints, so groups cannot cross-talk.
 #pragma once
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <functional>
-#include <list>
+#include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "commux/collectives.hpp"
-#include "commux/communicator.hpp"
+#include "commux/communicator.hpp"  // communicator()
 
 namespace commux {
-
-class ProcessGroupUCX;
-
-namespace c10d_detail {
-struct Task;
-class CollWork;
-class DeferredWork;
-class DeviceStreams;
-class FutureWatcher;
-class P2PWork;
-}  // namespace c10d_detail
 
 class ProcessGroupUCX : public c10d::Backend {
  public:
@@ -62,13 +44,13 @@ class ProcessGroupUCX : public c10d::Backend {
                   std::string group_name = "");
   ~ProcessGroupUCX() override;
 
-  const std::string getBackendName() const override { return name_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
-  Communicator& communicator() { return *comm_; }
+  const std::string getBackendName() const override;
+  std::chrono::milliseconds timeout() const;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  Communicator& communicator();
   // Collective calls that ran with device operations (reductions and scratch on the tensors'
   // device, through ATen): device tensors, and CPU tensors with COMMUX_ATEN_REDUCE=1.
-  std::uint64_t device_ops_calls() const { return device_ops_calls_.load(std::memory_order_relaxed); }
+  std::uint64_t device_ops_calls() const;
 
   // Sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper uses them): the number of
   // collectives this group has issued, equal on every rank that issued the same calls.
@@ -160,74 +142,10 @@ class ProcessGroupUCX : public c10d::Backend {
   void abort() override { shutdown(); }
 
  private:
-  friend class c10d_detail::P2PWork;
-  using Body = std::function<void(std::uint32_t tag, std::chrono::steady_clock::time_point)>;
-
-  // Queues `body` for the worker thread; the returned Work completes when it has run.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* op_name,
-                                         std::chrono::milliseconds op_timeout,
-                                         std::vector<at::Tensor> keep_alive,
-                                         std::vector<at::Tensor> outputs, Body body,
-                                         std::uint32_t ntags = 1);
-  c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, const char* op_name,
-                                          std::vector<at::Tensor>& tensors, int peer, int tag);
-  // Posts a validated send or receive now.
-  c10::intrusive_ptr<c10d_detail::P2PWork> post_now(c10d::OpType type,
-                                                    const std::vector<at::Tensor>& tensors,
-                                                    int peer, int tag);
-  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
-  // The collectives' context for tensors like `like` (its memory type; on a device, the backend's
-  // DeviceOps for it). An undefined `like` means host memory.
-  coll::Context context(const char* op_name, std::uint32_t tag,
-                        std::chrono::steady_clock::time_point deadline, const at::Tensor& like);
-  void run(c10d_detail::Task& task);
-  std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
-  void worker_loop();
-  void reap_locked();
-  std::string where() const;
-
-  std::string name_;
-  std::string group_name_;
-  std::chrono::milliseconds timeout_;
-  std::unique_ptr<Communicator> comm_;
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
-  std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the worker's lock-free polling
-  std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before sleeping
-  bool stopping_ = false;
-  std::uint32_t next_tag_ = 0;
-  std::uint64_t collectives_issued_ = 0;
-  // In-flight work the backend keeps alive (and its tensors) until it completes.
-  std::list<c10::intrusive_ptr<c10d_detail::P2PWork>> inflight_;
-  // The worker thread's streams and DeviceOps per device (device tensors).
-  std::unique_ptr<c10d_detail::DeviceStreams> streams_;
-  bool aten_on_cpu_ = false;  // COMMUX_ATEN_REDUCE=1
-  std::atomic<std::uint64_t> device_ops_calls_{0};
-  std::thread worker_;
-  // Completes the futures of p2p Works (shared with the Works through weak_ptrs).
-  std::shared_ptr<c10d_detail::FutureWatcher> watcher_;
-  bool shut_down_ = false;
-
-  // Coalescing windows, per issuing thread; open_windows_ lets ops skip the lock when none is open
-  // (a window is opened and used by one thread, so that thread sees its own increment).
-  struct Deferred {
-    c10d::OpType type;
-    std::vector<at::Tensor> tensors;
-    int peer;
-    int tag;
-    c10::intrusive_ptr<c10d_detail::DeferredWork> work;
-  };
-  struct Window {
-    std::thread::id thread;
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    std::vector<Deferred> deferred;  // COMMUX_GROUP=1: p2p ops posted at endCoalescing
-  };
-  bool defer_in_window_ = false;
-  std::atomic<int> open_windows_{0};
-  std::mutex coalesce_mu_;
-  std::vector<Window> windows_;
+  // The backend's state (communicator, worker thread and queue, in-flight operations, streams,
+  // coalescing windows) lives in src/c10d (process_group_ucx_internal.hpp), not in this header.
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace commux

@@ -12,6 +12,7 @@
 
 #include "commux/error.hpp"
 #include "errors.hpp"
+#include "types.hpp"
 
 #ifndef COMMUX_DEVICE_TENSORS
 #define COMMUX_DEVICE_TENSORS 1
@@ -21,34 +22,16 @@ namespace commux::c10d_detail {
 
 namespace {
 
-struct UcxMemoryTypes {
+// What the process's UCX can carry (RuntimeInfo: its memory types and version).
+struct UcxRuntime {
   std::mutex mu;
   bool known = false;
-  std::vector<std::string> types;
-  std::string version;
+  RuntimeInfo info;
 };
 
-UcxMemoryTypes& ucx_memory_types() {
-  static UcxMemoryTypes m;
-  return m;
-}
-
-at::ScalarType scalar_type(DataType t) {
-  switch (t) {
-    case DataType::kFloat32: return at::kFloat;
-    case DataType::kFloat64: return at::kDouble;
-    case DataType::kFloat16: return at::kHalf;
-    case DataType::kBFloat16: return at::kBFloat16;
-    case DataType::kInt8: return at::kChar;
-    case DataType::kInt16: return at::kShort;
-    case DataType::kInt32: return at::kInt;
-    case DataType::kInt64: return at::kLong;
-    case DataType::kUInt8: return at::kByte;
-    case DataType::kBool: return at::kBool;
-    case DataType::kComplex64: return at::kComplexFloat;
-    case DataType::kComplex128: return at::kComplexDouble;
-  }
-  return at::kByte;
+UcxRuntime& ucx_runtime() {
+  static UcxRuntime r;
+  return r;
 }
 
 // What a user needs to carry tensors of this kind, for the error message.
@@ -66,16 +49,6 @@ const char* how_to_get(MemoryType m) {
              "(-DCOMMUX_UCX_PROVIDER=system); if UCX_TLS is set, it must allow ze_copy";
     default:
       return "use a UCX built for this accelerator";
-  }
-}
-
-// The name UCX gives the memory type (ucs_memory_type_names), as RuntimeInfo lists them.
-const char* ucx_name(MemoryType m) {
-  switch (m) {
-    case MemoryType::kCuda: return "cuda";
-    case MemoryType::kRocm: return "rocm";
-    case MemoryType::kZe: return "ze-device";
-    default: return "host";
   }
 }
 
@@ -143,13 +116,12 @@ class AtenDeviceOps final : public coll::DeviceOps {
 
 bool device_tensors_enabled() noexcept { return COMMUX_DEVICE_TENSORS != 0; }
 
-void set_ucx_memory_types(const std::vector<std::string>& types, const std::string& ucx_version) {
-  auto& m = ucx_memory_types();
-  std::lock_guard<std::mutex> lk(m.mu);
-  if (m.known) return;
-  m.known = true;
-  m.types = types;
-  m.version = ucx_version;
+void set_ucx_runtime(const RuntimeInfo& info) {
+  auto& r = ucx_runtime();
+  std::lock_guard<std::mutex> lk(r.mu);
+  if (r.known) return;
+  r.known = true;
+  r.info = info;
 }
 
 MemoryType memory_type_of(const char* op, const at::Tensor& t, const char* what) {
@@ -171,14 +143,13 @@ MemoryType memory_type_of(const char* op, const at::Tensor& t, const char* what)
                     ", but this commux was built with COMMUX_CUDA=OFF (CPU tensors only); "
                     "rebuild it with -DCOMMUX_CUDA=ON to carry device tensors");
   }
-  auto& known = ucx_memory_types();
+  auto& known = ucx_runtime();
   std::lock_guard<std::mutex> lk(known.mu);
-  if (known.known &&
-      std::find(known.types.begin(), known.types.end(), ucx_name(m)) == known.types.end()) {
+  if (known.known && !known.info.supports(m)) {
     std::string have;
-    for (const auto& s : known.types) have += (have.empty() ? "" : ", ") + s;
+    for (const auto& s : known.info.memory_types) have += (have.empty() ? "" : ", ") + s;
     invalid(op, std::string(what) + " is on " + dev.str() + ", but the UCX in use (" +
-                    known.version + ") cannot carry " + memory_type_name(m) +
+                    known.info.ucx_version + ") cannot carry " + memory_type_name(m) +
                     " memory (the memory types it supports: " + have + "): " + how_to_get(m));
   }
   return m;

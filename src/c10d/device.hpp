@@ -37,10 +37,10 @@ namespace commux::c10d_detail {
 // Whether this build carries device tensors (CMake option COMMUX_CUDA, default ON).
 bool device_tensors_enabled() noexcept;
 
-// The memory types the process's UCX supports ("host", "cuda", ...), recorded by the first
-// backend started (one UCX per process). Until then every device type is assumed supported (UCX
-// itself rejects what it cannot carry).
-void set_ucx_memory_types(const std::vector<std::string>& types, const std::string& ucx_version);
+// What the process's UCX can carry (RuntimeInfo::supports, the check core makes before it
+// posts), recorded by the first backend started (one UCX per process). Until then every device
+// type is assumed supported (core and UCX themselves reject what they cannot carry).
+void set_ucx_runtime(const RuntimeInfo& info);
 
 // The memory type UCX is told for `t`. Throws c10::ValueError naming `op` and `what` when commux
 // cannot carry the tensor's device: a device type it does not know, a build without device

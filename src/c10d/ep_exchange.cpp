@@ -1,5 +1,5 @@
-// ProcessGroupUCX::exchange_lanes: the sparse all-to-all under commux.ep (expert-parallel dispatch
-// and combine). Everything happens on the calling thread: no worker-thread hand-off, one message
+// ProcessGroupUCX::exchange_lanes (its Impl's): the sparse all-to-all under commux.ep
+// (expert-parallel dispatch and combine). Everything happens on the calling thread: no worker-thread hand-off, one message
 // per peer that has bytes to receive, self's part copied locally.
 //
 // Tags: each call takes one internal tag from the group's collective sequence (next_tag_), the
@@ -17,6 +17,7 @@
 #include "commux/process_group_ucx.hpp"
 #include "../core/channel.hpp"
 #include "device.hpp"
+#include "process_group_ucx_internal.hpp"
 #include "work.hpp"
 
 namespace commux {
@@ -49,7 +50,7 @@ std::int64_t checked_total(const std::string& op, const std::vector<std::int64_t
 
 }  // namespace
 
-std::vector<std::int64_t> ProcessGroupUCX::exchange_lanes(
+std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
     const std::string& op, const std::vector<at::Tensor>& sends,
     const std::vector<std::vector<std::int64_t>>& send_bytes, const std::vector<at::Tensor>& recvs,
     const std::vector<std::vector<std::int64_t>>& recv_offsets,

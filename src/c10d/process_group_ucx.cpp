@@ -1,5 +1,6 @@
-// The torch adapter: maps tensors, dtypes, ReduceOps and c10d::Work onto commux's point-to-point
-// (src/core) and collectives (src/collectives). No UCX calls here.
+// The torch adapter: ProcessGroupUCX (its Impl, process_group_ucx_internal.hpp) maps tensors and
+// c10d::Work onto commux's point-to-point (src/core) and collectives (src/collectives), with the
+// dtype / ReduceOp tables of types.hpp and the argument checks of tensor_checks.hpp. No UCX calls.
 #include "commux/process_group_ucx.hpp"
 
 #include <ATen/ATen.h>
@@ -19,7 +20,11 @@
 #include "../core/channel.hpp"
 #include "device.hpp"
 #include "errors.hpp"
+#include "process_group_ucx_internal.hpp"
+#include "tensor_checks.hpp"
 #include "torch_compat.hpp"
+#include "types.hpp"
+#include "watcher.hpp"
 #include "work.hpp"
 
 namespace commux {
@@ -34,6 +39,14 @@ using c10d_detail::P2PWork;
 using c10d_detail::StreamFence;
 using c10d_detail::Task;
 using c10d_detail::invalid;
+using c10d_detail::nbytes;
+using c10d_detail::Reduction;
+using c10d_detail::to_dtype;
+using c10d_detail::to_reduction;
+using c10d_detail::single;
+using c10d_detail::check_root;
+using c10d_detail::check_blocks;
+using c10d_detail::root_list;
 
 namespace {
 
@@ -63,170 +76,6 @@ class C10dStore final : public Store {
  private:
   c10::intrusive_ptr<c10d::Store> store_;
 };
-
-DataType to_dtype(const char* op, at::ScalarType s) {
-  switch (s) {
-    case at::kFloat: return DataType::kFloat32;
-    case at::kDouble: return DataType::kFloat64;
-    case at::kHalf: return DataType::kFloat16;
-    case at::kBFloat16: return DataType::kBFloat16;
-    case at::kChar: return DataType::kInt8;
-    case at::kShort: return DataType::kInt16;
-    case at::kInt: return DataType::kInt32;
-    case at::kLong: return DataType::kInt64;
-    case at::kByte: return DataType::kUInt8;
-    case at::kBool: return DataType::kBool;
-    case at::kComplexFloat: return DataType::kComplex64;
-    case at::kComplexDouble: return DataType::kComplex128;
-    default: break;
-  }
-  invalid(op, std::string("dtype ") + c10::toString(s) + " is not supported for reductions");
-}
-
-// A ReduceOp as the kernels see it, plus the scaling AVG and PREMUL_SUM need.
-struct Reduction {
-  ReduceOp op = ReduceOp::kSum;
-  double pre_scale = 1.0;  // PREMUL_SUM: applied to the inputs
-  bool average = false;    // AVG: the result is divided by the group size
-};
-
-const char* c10d_op_name(c10d::ReduceOp::RedOpType t) {
-  switch (t) {
-    case c10d::ReduceOp::SUM: return "SUM";
-    case c10d::ReduceOp::AVG: return "AVG";
-    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
-    case c10d::ReduceOp::MIN: return "MIN";
-    case c10d::ReduceOp::MAX: return "MAX";
-    case c10d::ReduceOp::BAND: return "BAND";
-    case c10d::ReduceOp::BOR: return "BOR";
-    case c10d::ReduceOp::BXOR: return "BXOR";
-    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "UNUSED";
-  }
-}
-
-// Validated on every rank before anything is posted, so a bad op never leaves peers waiting.
-Reduction to_reduction(const char* op, const c10d::ReduceOp& r, at::ScalarType st) {
-  const DataType t = to_dtype(op, st);
-  Reduction out;
-  switch (r.op_) {
-    case c10d::ReduceOp::SUM: out.op = ReduceOp::kSum; break;
-    case c10d::ReduceOp::PRODUCT: out.op = ReduceOp::kProduct; break;
-    case c10d::ReduceOp::MIN: out.op = ReduceOp::kMin; break;
-    case c10d::ReduceOp::MAX: out.op = ReduceOp::kMax; break;
-    case c10d::ReduceOp::BAND: out.op = ReduceOp::kBand; break;
-    case c10d::ReduceOp::BOR: out.op = ReduceOp::kBor; break;
-    case c10d::ReduceOp::BXOR: out.op = ReduceOp::kBxor; break;
-    case c10d::ReduceOp::AVG:
-    case c10d::ReduceOp::PREMUL_SUM:
-      if (!is_floating(t) && !is_complex(t)) {
-        invalid(op, std::string("ReduceOp ") + c10d_op_name(r.op_) + " needs a floating-point or "
-                    "complex tensor, got " + dtype_name(t) + " (use SUM and divide yourself)");
-      }
-      out.op = ReduceOp::kSum;
-      if (r.op_ == c10d::ReduceOp::AVG) {
-        out.average = true;
-      } else {
-        auto* s = dynamic_cast<torch_compat::PreMulSumSupplement*>(r.supplement_.get());
-        if (s == nullptr) invalid(op, "PREMUL_SUM without a factor");
-        out.pre_scale = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
-      }
-      break;
-    default:
-      invalid(op, std::string("ReduceOp ") + c10d_op_name(r.op_) + " is not supported");
-  }
-  try {
-    check_reduction(op, t, out.op);
-  } catch (const Error& e) {
-    c10d_detail::invalid_message(e.what());
-  }
-  return out;
-}
-
-void check_tensor(const char* op, const at::Tensor& t, const char* what = "tensor") {
-  if (!t.defined()) invalid(op, std::string(what) + " is undefined");
-  if (t.layout() != at::kStrided) invalid(op, std::string(what) + " must be dense (got a sparse tensor)");
-  if (!t.is_contiguous()) {
-    invalid(op, std::string(what) + " must be contiguous (sizes " + c10::str(t.sizes()) +
-                    ", strides " + c10::str(t.strides()) + "); call .contiguous() first");
-  }
-  memory_type_of(op, t, what);  // a device commux (or its UCX) cannot carry fails here
-}
-
-const at::Tensor& single(const char* op, const std::vector<at::Tensor>& ts) {
-  if (ts.size() != 1) {
-    invalid(op, "expects exactly one tensor per process, got " + std::to_string(ts.size()));
-  }
-  check_tensor(op, ts[0]);
-  return ts[0];
-}
-
-// A collective's tensors share one device (its algorithms move one memory type).
-void check_device(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what,
-                  const char* ref_name = "the input") {
-  if (t.device() != ref.device()) {
-    invalid(op, std::string(what) + " is on " + t.device().str() + " but " + ref_name + " is on " +
-                    ref.device().str() + "; a collective's tensors must share one device");
-  }
-}
-
-void check_same(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what) {
-  check_tensor(op, t, what);
-  check_device(op, ref, t, what);
-  if (t.scalar_type() != ref.scalar_type()) {
-    invalid(op, std::string(what) + " has dtype " + c10::toString(t.scalar_type()) +
-                    " but the input has " + c10::toString(ref.scalar_type()));
-  }
-  if (t.numel() != ref.numel()) {
-    invalid(op, std::string(what) + " has " + std::to_string(t.numel()) +
-                    " elements but the input has " + std::to_string(ref.numel()));
-  }
-}
-
-void check_root(const char* op, int64_t root, int size) {
-  if (root < 0 || root >= size) {
-    invalid(op, "root rank " + std::to_string(root) + " is outside the group (size " +
-                    std::to_string(size) + ")");
-  }
-}
-
-// `big` must hold `size` times the elements of `small` in the same dtype (allgather's output,
-// reduce-scatter's input); the names appear in the message ("output 2", ...).
-void check_blocks(const char* op, const at::Tensor& small, const std::string& small_name,
-                  const at::Tensor& big, const std::string& big_name, int size) {
-  check_tensor(op, small, small_name.c_str());
-  check_tensor(op, big, big_name.c_str());
-  check_device(op, small, big, big_name.c_str(), ("the " + small_name).c_str());
-  if (big.scalar_type() != small.scalar_type() || big.numel() != small.numel() * size) {
-    invalid(op, big_name + " must have the " + small_name + "'s dtype and " + std::to_string(size) +
-                    " times its elements (" + small_name + ": " + std::to_string(small.numel()) +
-                    " " + c10::toString(small.scalar_type()) + ", " + big_name + ": " +
-                    std::to_string(big.numel()) + " " + c10::toString(big.scalar_type()) + ")");
-  }
-}
-
-// The root's list of `size` tensors like `ref` (gather's outputs, scatter's inputs); the other
-// ranks pass no tensors there.
-std::vector<at::Tensor> root_list(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
-                                  const at::Tensor& ref, bool is_root, int root, int size,
-                                  const std::string& what) {
-  if (!is_root) {
-    if (!lists.empty() && !lists[0].empty()) {
-      invalid(op, "only the root (rank " + std::to_string(root) + ") takes " + what + " tensors");
-    }
-    return {};
-  }
-  if (lists.size() != 1 || lists[0].size() != static_cast<std::size_t>(size)) {
-    invalid(op, "the root expects one " + what + " list of " + std::to_string(size) + " tensors, got " +
-                    (lists.size() == 1 ? std::to_string(lists[0].size()) + " tensors"
-                                       : std::to_string(lists.size()) + " lists"));
-  }
-  const std::string each = what + " tensor";
-  for (auto& t : lists[0]) check_same(op, ref, t, each.c_str());
-  return lists[0];
-}
-
-std::size_t nbytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
 // A contiguous tensor's memory as a flat uint8 tensor (same storage).
 at::Tensor byte_view(const at::Tensor& t) {
@@ -267,10 +116,11 @@ int group_number(const std::string& name) {
 
 // --- construction / shutdown -------------------------------------------------------------------
 
-ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                 std::chrono::milliseconds timeout, std::string name,
-                                 std::string group_name)
-    : c10d::Backend(rank, size),
+ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                            std::chrono::milliseconds timeout, std::string name,
+                            std::string group_name)
+    : rank_(rank),
+      size_(size),
       name_(std::move(name)),
       group_name_(std::move(group_name)),
       timeout_(timeout) {
@@ -285,8 +135,7 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
     c10d_detail::throw_torch_error(std::current_exception());
   }
   // Device tensors are checked against what this UCX can carry before anything is posted.
-  c10d_detail::set_ucx_memory_types(comm_->runtime_info().memory_types,
-                                    comm_->runtime_info().ucx_version);
+  c10d_detail::set_ucx_runtime(comm_->runtime_info());
   streams_ = std::make_unique<c10d_detail::DeviceStreams>();
   // COMMUX_ATEN_REDUCE=1: CPU collectives also work through the ATen DeviceOps (scratch, local
   // copies and reductions by ATen's CPU kernels) -- the device path's code, checkable without a
@@ -296,14 +145,29 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
   worker_ = std::thread([this] { worker_loop(); });
 }
 
-ProcessGroupUCX::~ProcessGroupUCX() { shutdown(); }
+ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                 std::chrono::milliseconds timeout, std::string name,
+                                 std::string group_name)
+    : c10d::Backend(rank, size),
+      impl_(std::make_unique<Impl>(store, rank, size, timeout, std::move(name),
+                                   std::move(group_name))) {}
 
-std::string ProcessGroupUCX::where() const {
+ProcessGroupUCX::~ProcessGroupUCX() { impl_->shutdown(); }
+
+const std::string ProcessGroupUCX::getBackendName() const { return impl_->name_; }
+std::chrono::milliseconds ProcessGroupUCX::timeout() const { return impl_->timeout_; }
+void ProcessGroupUCX::setTimeout(std::chrono::milliseconds timeout) { impl_->timeout_ = timeout; }
+Communicator& ProcessGroupUCX::communicator() { return *impl_->comm_; }
+std::uint64_t ProcessGroupUCX::device_ops_calls() const {
+  return impl_->device_ops_calls_.load(std::memory_order_relaxed);
+}
+
+std::string ProcessGroupUCX::Impl::where() const {
   return "group '" + group_name_ + "', rank " + std::to_string(getRank()) + " of " +
          std::to_string(getSize());
 }
 
-void ProcessGroupUCX::shutdown() {
+void ProcessGroupUCX::Impl::shutdown() {
   std::deque<std::shared_ptr<Task>> left;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -328,14 +192,14 @@ void ProcessGroupUCX::shutdown() {
   inflight_.clear();  // everything was cancelled and completed by comm_->shutdown()
 }
 
-uint64_t ProcessGroupUCX::getSequenceNumberForGroup() {
+uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
   std::lock_guard<std::mutex> lk(mu_);
   return collectives_issued_;
 }
 
 // --- the worker thread ------------------------------------------------------------------------
 
-void ProcessGroupUCX::worker_loop() {
+void ProcessGroupUCX::Impl::worker_loop() {
   for (;;) {
     std::shared_ptr<Task> t;
     // Back-to-back collectives (a training step's buckets, a benchmark loop) arrive within
@@ -370,7 +234,7 @@ void ProcessGroupUCX::worker_loop() {
 // stream's work on its tensors (the fence), runs with the backend's stream of that device current
 // (so the body's ATen work and the collective's reductions go there), and synchronizes that stream
 // before the task completes, so the results are visible to every stream after wait().
-void ProcessGroupUCX::run(Task& t) {
+void ProcessGroupUCX::Impl::run(Task& t) {
   if (t.device.is_cpu()) {
     t.body(t.tag, t.deadline);
     return;
@@ -383,11 +247,11 @@ void ProcessGroupUCX::run(Task& t) {
   streams_->sync(t.device);
 }
 
-std::chrono::milliseconds ProcessGroupUCX::effective(std::chrono::milliseconds op_timeout) const {
+std::chrono::milliseconds ProcessGroupUCX::Impl::effective(std::chrono::milliseconds op_timeout) const {
   return op_timeout.count() > 0 ? op_timeout : timeout_;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::enqueue(c10d::OpType type, const char* op_name,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type, const char* op_name,
                                                        std::chrono::milliseconds op_timeout,
                                                        std::vector<at::Tensor> keep_alive,
                                                        std::vector<at::Tensor> outputs, Body body,
@@ -433,7 +297,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::enqueue(c10d::OpType type, const
   return track(c10::make_intrusive<CollWork>(getRank(), std::move(t), limit, where()));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::track(c10::intrusive_ptr<c10d::Work> work) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::track(c10::intrusive_ptr<c10d::Work> work) {
   if (open_windows_.load(std::memory_order_acquire) == 0) return work;  // the p2p fast path
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   const auto me = std::this_thread::get_id();
@@ -443,7 +307,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::track(c10::intrusive_ptr<c10d::W
   return work;
 }
 
-coll::Context ProcessGroupUCX::context(const char* op_name, std::uint32_t tag,
+coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t tag,
                                        Clock::time_point deadline, const at::Tensor& like) {
   coll::Context c;
   c.comm = comm_.get();
@@ -464,26 +328,17 @@ coll::Context ProcessGroupUCX::context(const char* op_name, std::uint32_t tag,
 
 // --- point-to-point -----------------------------------------------------------------------------
 
-void ProcessGroupUCX::reap_locked() {
+void ProcessGroupUCX::Impl::reap_locked() {
   while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
   if (inflight_.size() > 256) {
     inflight_.remove_if([](const c10::intrusive_ptr<P2PWork>& w) { return w->done(); });
   }
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::post_p2p(c10d::OpType type, const char* op_name,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::post_p2p(c10d::OpType type, const char* op_name,
                                                         std::vector<at::Tensor>& tensors, int peer,
                                                         int tag) {
-  const bool is_send = type == c10d::OpType::SEND;
-  if (tensors.empty()) invalid(op_name, "needs at least one tensor");
-  if (peer != kAnySource && (peer < 0 || peer >= getSize())) {
-    invalid(op_name, std::string(is_send ? "destination" : "source") + " rank " +
-                         std::to_string(peer) + " is outside the group");
-  }
-  if (tag < 0) {
-    invalid(op_name, "tag " + std::to_string(tag) + " is negative; tags are 0 .. 2^31-1");
-  }
-  for (const auto& t : tensors) check_tensor(op_name, t);
+  c10d_detail::check_p2p(op_name, tensors, peer, getSize(), type == c10d::OpType::SEND, tag);
   if (defer_in_window_ && open_windows_.load(std::memory_order_acquire) > 0) {
     std::lock_guard<std::mutex> lk(coalesce_mu_);
     const auto me = std::this_thread::get_id();
@@ -498,7 +353,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::post_p2p(c10d::OpType type, cons
   return track(post_now(type, tensors, peer, tag));
 }
 
-c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
+c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
                                                       const std::vector<at::Tensor>& tensors,
                                                       int peer, int tag) {
   Buffer bufs[8];
@@ -529,7 +384,7 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
   }
   auto w = c10::make_intrusive<P2PWork>(getRank(), type, std::move(r), tensors, timeout_);
   if (!w->done()) {
-    w->watcher_ = watcher_;
+    w->set_watcher(watcher_);
     std::lock_guard<std::mutex> lk(mu_);
     reap_locked();
     inflight_.push_back(w);
@@ -537,19 +392,19 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::post_now(c10d::OpType type,
   return w;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                     int tag) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::SEND, "send", tensors, dstRank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recv(std::vector<at::Tensor>& tensors, int srcRank,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                     int tag) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::RECV, "recv", tensors, srcRank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recvAnysource(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::recvAnysource(std::vector<at::Tensor>& tensors,
                                                              int tag) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::RECVANYSOURCE, "recvAnysource", tensors, kAnySource, tag);
@@ -557,7 +412,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recvAnysource(std::vector<at::Te
 
 // --- coalescing window -------------------------------------------------------------------------
 
-void ProcessGroupUCX::startCoalescing() {
+void ProcessGroupUCX::Impl::startCoalescing() {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   const auto me = std::this_thread::get_id();
@@ -568,7 +423,7 @@ void ProcessGroupUCX::startCoalescing() {
   open_windows_.fetch_add(1, std::memory_order_release);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::endCoalescing() {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   Window win;
   {
@@ -599,7 +454,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() {
 
 // --- collectives --------------------------------------------------------------------------------
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::barrier(const c10d::BarrierOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return enqueue(c10d::OpType::BARRIER, "barrier", opts.timeout, {}, {},
                  [this](std::uint32_t tag, Clock::time_point dl) {
@@ -607,7 +462,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptio
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(std::vector<at::Tensor>& tensors,
                                                          const c10d::BroadcastOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const at::Tensor t = single("broadcast", tensors);
@@ -619,7 +474,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("allreduce", tensors);
@@ -634,16 +489,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allreduce_coalesced";
-  if (tensors.empty()) invalid(op, "needs at least one tensor");
-  for (auto& t : tensors) {
-    check_tensor(op, t);
-    check_device(op, tensors[0], t, "a tensor", "the first");
-    if (t.scalar_type() != tensors[0].scalar_type()) invalid(op, "all tensors must have one dtype");
-  }
+  c10d_detail::check_coalesced(op, tensors);
   to_reduction(op, opts.reduceOp, tensors[0].scalar_type());  // validate now, on every rank
   std::vector<at::Tensor> ts = tensors;
   const int size = getSize();
@@ -665,7 +515,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::ReduceOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("reduce", tensors);
@@ -686,18 +536,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& 
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allgather";
   const at::Tensor in = single(op, inputs);
-  if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(getSize())) {
-    invalid(op, "expects one output list of " + std::to_string(getSize()) + " tensors, got " +
-                    (outputs.size() == 1 ? std::to_string(outputs[0].size()) + " tensors"
-                                         : std::to_string(outputs.size()) + " lists"));
-  }
-  for (auto& o : outputs[0]) check_same(op, in, o, "output tensor");
+  c10d_detail::check_allgather_outputs(op, outputs, in, getSize());
   std::vector<at::Tensor> outs = outputs[0];
   return enqueue(c10d::OpType::ALLGATHER, op, opts.timeout, {in}, outs,
                  [this, in, outs, op](std::uint32_t tag, Clock::time_point dl) {
@@ -710,7 +555,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& output, at::Tensor& input,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::AllgatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "_allgather_base";
@@ -722,23 +567,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& outp
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allgather_coalesced";
-  if (outputs.size() != static_cast<std::size_t>(getSize())) {
-    invalid(op, "expects " + std::to_string(getSize()) + " output lists, got " +
-                    std::to_string(outputs.size()));
-  }
-  for (auto& list : outputs) {
-    if (list.size() != inputs.size()) invalid(op, "each output list needs one tensor per input");
-    for (std::size_t i = 0; i < inputs.size(); ++i) check_same(op, inputs[i], list[i], "output tensor");
-  }
-  for (auto& in : inputs) {
-    check_tensor(op, in, "input");
-    check_device(op, inputs[0], in, "an input", "the first");
-  }
+  c10d_detail::check_allgather_coalesced(op, outputs, inputs, getSize());
   std::vector<at::Tensor> outs;
   for (auto& list : outputs) outs.insert(outs.end(), list.begin(), list.end());
   auto ins = inputs;
@@ -759,20 +593,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
                  static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "allgather_into_tensor_coalesced";
-  if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    // (appended, not "input " + to_string(i): GCC 12's -O3 gives a false -Wrestrict on that)
-    std::string in_name = "input ", out_name = "output ";
-    in_name += std::to_string(i);
-    out_name += std::to_string(i);
-    check_blocks(op, inputs[i], in_name, outputs[i], out_name, getSize());
-    check_device(op, inputs[0], inputs[i], in_name.c_str(), "input 0");
-  }
+  c10d_detail::check_blocks_coalesced(op, outputs, inputs, getSize(), /*gather=*/true);
   auto ins = inputs;
   auto outs = outputs;
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
@@ -785,7 +611,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
                  static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<at::Tensor>>& outputs,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::GatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
@@ -809,7 +635,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<a
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(std::vector<at::Tensor>& outputs,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(std::vector<at::Tensor>& outputs,
                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                        const c10d::ScatterOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
@@ -844,16 +670,13 @@ void run_reduce_scatter(const coll::Context& ctx, at::Tensor in, at::Tensor out,
 }
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "reduce_scatter";
   const at::Tensor out = single(op, outputs);
-  if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(getSize())) {
-    invalid(op, "expects one input list of " + std::to_string(getSize()) + " tensors");
-  }
-  for (auto& i : inputs[0]) check_same(op, out, i, "input tensor");
+  c10d_detail::check_reduce_scatter_inputs(op, inputs, out, getSize());
   const Reduction r = to_reduction(op, opts.reduceOp, out.scalar_type());
   auto ins = inputs[0];
   const int size = getSize();
@@ -865,7 +688,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "_reduce_scatter_base";
@@ -881,21 +704,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "reduce_scatter_tensor_coalesced";
-  if (outputs.size() != inputs.size()) invalid(op, "needs one output per input");
+  c10d_detail::check_blocks_coalesced(op, outputs, inputs, getSize(), /*gather=*/false);
   std::vector<Reduction> rs;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    std::string in_name = "input ", out_name = "output ";
-    in_name += std::to_string(i);
-    out_name += std::to_string(i);
-    check_blocks(op, outputs[i], out_name, inputs[i], in_name, getSize());
-    check_device(op, inputs[0], inputs[i], in_name.c_str(), "input 0");
-    rs.push_back(to_reduction(op, opts.reduceOp, outputs[i].scalar_type()));
-  }
+  for (const auto& o : outputs) rs.push_back(to_reduction(op, opts.reduceOp, o.scalar_type()));
   auto ins = inputs;
   auto outs = outputs;
   const int size = getSize();
@@ -910,60 +726,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
                  static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
 }
 
-namespace {
-// Split sizes (rows of dim 0) -> byte counts and displacements; empty means even splits.
-void split_bytes(const char* op, const char* which, const at::Tensor& t,
-                 const std::vector<int64_t>& splits, int size, std::vector<std::size_t>& counts,
-                 std::vector<std::size_t>& displs) {
-  if (t.dim() == 0) invalid(op, std::string(which) + " must have at least one dimension");
-  const int64_t rows = t.size(0);
-  const std::size_t row_bytes = rows == 0 ? 0 : nbytes(t) / rows;
-  std::vector<int64_t> s = splits;
-  if (s.empty()) {
-    if (rows % size != 0) {
-      invalid(op, std::string(which) + " has " + std::to_string(rows) +
-                      " rows, not divisible by the group size " + std::to_string(size) +
-                      "; pass split sizes");
-    }
-    s.assign(size, rows / size);
-  }
-  if (s.size() != static_cast<std::size_t>(size)) {
-    invalid(op, std::string(which) + " split sizes have " + std::to_string(s.size()) +
-                    " entries but the group has " + std::to_string(size) + " ranks");
-  }
-  int64_t sum = 0;
-  for (auto v : s) {
-    if (v < 0) invalid(op, std::string(which) + " split sizes contain a negative entry");
-    sum += v;
-  }
-  if (sum != rows) {
-    invalid(op, std::string(which) + " split sizes add up to " + std::to_string(sum) +
-                    " but the tensor has " + std::to_string(rows) + " rows");
-  }
-  counts.resize(size);
-  displs.resize(size);
-  std::size_t off = 0;
-  for (int i = 0; i < size; ++i) {
-    counts[i] = static_cast<std::size_t>(s[i]) * row_bytes;
-    displs[i] = off;
-    off += counts[i];
-  }
-}
-}  // namespace
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output, at::Tensor& input,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                              std::vector<int64_t>& outputSplitSizes,
                                                              std::vector<int64_t>& inputSplitSizes,
                                                              const c10d::AllToAllOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "alltoall_base";
-  check_tensor(op, input, "input");
-  check_tensor(op, output, "output");
-  check_device(op, input, output, "the output");
-  if (input.scalar_type() != output.scalar_type()) invalid(op, "input and output dtypes differ");
+  c10d_detail::check_alltoall_base(op, input, output);
   std::vector<std::size_t> sc, sd, rc, rd;
-  split_bytes(op, "input", input, inputSplitSizes, getSize(), sc, sd);
-  split_bytes(op, "output", output, outputSplitSizes, getSize(), rc, rd);
+  c10d_detail::split_bytes(op, "input", input, inputSplitSizes, getSize(), sc, sd);
+  c10d_detail::split_bytes(op, "output", output, outputSplitSizes, getSize(), rc, rd);
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::ALLTOALL_BASE, op, opts.timeout, {in}, {out},
                  [this, in, out, sc, sd, rc, rd, op](std::uint32_t tag, Clock::time_point dl) {
@@ -972,27 +744,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>& outputs,
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::Tensor>& outputs,
                                                         std::vector<at::Tensor>& inputs,
                                                         const c10d::AllToAllOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "alltoall";
+  c10d_detail::check_alltoall(op, outputs, inputs, getSize());
   const auto n = static_cast<std::size_t>(getSize());
-  if (inputs.size() != n || outputs.size() != n) {
-    invalid(op, "expects " + std::to_string(n) + " input and output tensors, got " +
-                    std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
-  }
   std::vector<std::size_t> sc(n), sd(n), rc(n), rd(n);
   std::size_t so = 0, ro = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    check_tensor(op, inputs[i], "input");
-    check_tensor(op, outputs[i], "output");
-    check_device(op, inputs[0], inputs[i], "an input", "input 0");
-    check_device(op, inputs[0], outputs[i], "an output", "input 0");
-    if (inputs[i].scalar_type() != inputs[0].scalar_type() ||
-        outputs[i].scalar_type() != inputs[0].scalar_type()) {
-      invalid(op, "all tensors must have one dtype");
-    }
     sc[i] = nbytes(inputs[i]);
     sd[i] = so;
     so += sc[i];
@@ -1022,6 +783,105 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>
                          rbuf.narrow(0, static_cast<int64_t>(rd[i]), static_cast<int64_t>(rc[i])));
                    }
                  });
+}
+
+// --- the c10d::Backend entry points: forwarded to the Impl -------------------------------------
+
+void ProcessGroupUCX::shutdown() { impl_->shutdown(); }
+uint64_t ProcessGroupUCX::getSequenceNumberForGroup() { return impl_->getSequenceNumberForGroup(); }
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,
+                                                    int tag) {
+  return impl_->send(tensors, dstRank, tag);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                                    int tag) {
+  return impl_->recv(tensors, srcRank, tag);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                             int tag) {
+  return impl_->recvAnysource(tensors, tag);
+}
+void ProcessGroupUCX::startCoalescing() { impl_->startCoalescing(); }
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() { return impl_->endCoalescing(); }
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptions& opts) {
+  return impl_->barrier(opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor>& tensors,
+                                                         const c10d::BroadcastOptions& opts) {
+  return impl_->broadcast(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
+  return impl_->allreduce(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  return impl_->allreduce_coalesced(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::ReduceOptions& opts) {
+  return impl_->reduce(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return impl_->allgather(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                               const c10d::AllgatherOptions& opts) {
+  return impl_->_allgather_base(output, input, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return impl_->allgather_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return impl_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::GatherOptions& opts) {
+  return impl_->gather(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(std::vector<at::Tensor>& outputs,
+                                                       std::vector<std::vector<at::Tensor>>& inputs,
+                                                       const c10d::ScatterOptions& opts) {
+  return impl_->scatter(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return impl_->reduce_scatter(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  return impl_->_reduce_scatter_base(output, input, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return impl_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                             std::vector<int64_t>& outputSplitSizes,
+                                                             std::vector<int64_t>& inputSplitSizes,
+                                                             const c10d::AllToAllOptions& opts) {
+  return impl_->alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::AllToAllOptions& opts) {
+  return impl_->alltoall(outputs, inputs, opts);
+}
+std::vector<std::int64_t> ProcessGroupUCX::exchange_lanes(
+    const std::string& op, const std::vector<at::Tensor>& sends,
+    const std::vector<std::vector<std::int64_t>>& send_bytes, const std::vector<at::Tensor>& recvs,
+    const std::vector<std::vector<std::int64_t>>& recv_offsets,
+    const std::vector<std::vector<std::int64_t>>& recv_capacity, std::chrono::milliseconds timeout) {
+  return impl_->exchange_lanes(op, sends, send_bytes, recvs, recv_offsets, recv_capacity, timeout);
 }
 
 }  // namespace commux

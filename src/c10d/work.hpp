@@ -7,6 +7,8 @@
 //   * A collective is a Task: the worker thread owns it (tensors included) until it has run; the
 //     CollWork shares the Task to wait on it and to hand out its future.
 //   * CoalescedWork holds the Works issued inside one coalescing window.
+//   * The FutureWatcher (watcher.hpp) that completes p2p futures is the backend's; a P2PWork only
+//     holds a weak_ptr to it.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -20,17 +22,13 @@
 #include <mutex>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "commux/communicator.hpp"
 #include "device.hpp"
 #include "errors.hpp"
 
-namespace commux {
-class ProcessGroupUCX;
-
-namespace c10d_detail {
+namespace commux::c10d_detail {
 
 using Clock = std::chrono::steady_clock;
 
@@ -77,26 +75,7 @@ class CollWork final : public c10d::Work {
   std::string where_;
 };
 
-class P2PWork;
-
-// Completes the futures of p2p Works once their requests finish (a p2p Work has no thread of its
-// own that would notice). Owned by the backend through a shared_ptr; Works hold a weak_ptr, so a
-// Work that outlives its backend never calls into freed memory.
-class FutureWatcher {
- public:
-  ~FutureWatcher() { stop(); }
-  void add(c10::intrusive_ptr<P2PWork> work);  // starts the polling thread on first use
-  // Joins the thread. Call after the communicator is shut down (every request is then finished):
-  // the futures still watched are completed, with the request's error where it has one.
-  void stop();
-
- private:
-  void loop();
-  std::mutex mu_;
-  std::vector<c10::intrusive_ptr<P2PWork>> watched_;
-  bool stopping_ = false;
-  std::thread thread_;
-};
+class FutureWatcher;  // watcher.hpp
 
 class P2PWork final : public c10d::Work {
  public:
@@ -116,9 +95,10 @@ class P2PWork final : public c10d::Work {
   // Settles the future (if one was handed out): with the result once the request is done, or with
   // a timeout error once the group timeout has passed since posting. True when settled.
   bool poll_future();
+  // The backend's watcher, which completes a future asked for before the request is done.
+  void set_watcher(std::weak_ptr<FutureWatcher> watcher) { watcher_ = std::move(watcher); }
 
  private:
-  friend class commux::ProcessGroupUCX;
   friend class FutureWatcher;
   Request request_;
   std::vector<at::Tensor> tensors_;
@@ -171,5 +151,4 @@ class CoalescedWork final : public c10d::Work {
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
 };
 
-}  // namespace c10d_detail
-}  // namespace commux
+}  // namespace commux::c10d_detail

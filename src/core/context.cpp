@@ -1,6 +1,7 @@
 // The UCX context: its features, and what it tells RuntimeInfo and the transport probe.
 #include "context.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +11,18 @@
 #include "commux/transports.hpp"
 #include "status.hpp"
 #include "ucx_config.hpp"
+
+namespace commux {
+
+bool RuntimeInfo::supports(MemoryType m) const {
+  if (m == MemoryType::kHost || m == MemoryType::kUnknown) return true;
+  const ucs_memory_type_t u = detail::to_ucs(m);
+  return u != UCS_MEMORY_TYPE_LAST &&
+         std::find(memory_types.begin(), memory_types.end(), ucs_memory_type_names[u]) !=
+             memory_types.end();
+}
+
+}  // namespace commux
 
 namespace commux::detail {
 

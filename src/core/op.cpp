@@ -41,18 +41,12 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
                       std::to_string(buffers[i].size) + " bytes");
     }
     const MemoryType m = buffers[i].mem;
-    if (m != MemoryType::kHost && m != MemoryType::kUnknown) {
-      const ucs_memory_type_t u = to_ucs(m);
-      if (u == UCS_MEMORY_TYPE_LAST ||
-          std::find(info_.memory_types.begin(), info_.memory_types.end(),
-                    ucs_memory_type_names[u]) == info_.memory_types.end()) {
-        throw Error(Errc::kUnsupported,
-                    ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
-                    "buffer " + std::to_string(i) + " is " + memory_type_name(m) +
-                        " memory, but the UCX in use (" + info_.ucx_version +
-                        ") does not support it; build commux against a UCX with that transport "
-                        "(e.g. COMMUX_UCX_PROVIDER=wheel with libucx-cu13 for CUDA)");
-      }
+    if (!info_.supports(m)) {
+      throw Error(Errc::kUnsupported, ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
+                  "buffer " + std::to_string(i) + " is " +
+                      memory_type_name(m) + " memory, but the UCX in use (" + info_.ucx_version +
+                      ") does not support it; build commux against a UCX with that transport "
+                      "(e.g. COMMUX_UCX_PROVIDER=wheel with libucx-cu13 for CUDA)");
     }
     if (options_.packing == Packing::kIov && count > 1 && m != buffers[0].mem) {
       throw Error(Errc::kInvalidArgument,

@@ -1,0 +1,172 @@
+// src/c10d/process_group_ucx_internal.hpp -- the state behind commux::ProcessGroupUCX (internal:
+// included by src/c10d only; the installed header shows a pointer to it).
+//
+// ProcessGroupUCX's c10d::Backend overrides forward to the Impl methods of the same name (one
+// pointer indirection per call); the Impl does the work: validation (tensor_checks.hpp), posting
+// point-to-point on the caller's thread, queueing collectives for its worker thread.
+//
+// Who owns what: the Impl owns the Communicator, the worker thread and its queue of Tasks (and
+// their tensors), the in-flight p2p Works (and their tensors) until their requests complete, the
+// FutureWatcher (shared with the p2p Works through weak_ptrs), the worker's device streams and the
+// coalescing windows. It lives exactly as long as its ProcessGroupUCX.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commux/collectives.hpp"
+#include "commux/communicator.hpp"
+#include "commux/process_group_ucx.hpp"
+#include "device.hpp"
+#include "watcher.hpp"
+#include "work.hpp"
+
+namespace commux {
+
+struct ProcessGroupUCX::Impl {
+  using Body = std::function<void(std::uint32_t tag, std::chrono::steady_clock::time_point)>;
+
+  Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+       std::chrono::milliseconds timeout, std::string name, std::string group_name);
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  int getRank() const { return rank_; }
+  int getSize() const { return size_; }
+
+  // The entry points of ProcessGroupUCX (see commux/process_group_ucx.hpp).
+  void shutdown();
+  uint64_t getSequenceNumberForGroup();
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag);
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag);
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag);
+  void startCoalescing();
+  c10::intrusive_ptr<c10d::Work> endCoalescing();
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts);
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts);
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts);
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts);
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts);
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts);
+  std::vector<std::int64_t> exchange_lanes(
+      const std::string& op, const std::vector<at::Tensor>& sends,
+      const std::vector<std::vector<std::int64_t>>& send_bytes,
+      const std::vector<at::Tensor>& recvs,
+      const std::vector<std::vector<std::int64_t>>& recv_offsets,
+      const std::vector<std::vector<std::int64_t>>& recv_capacity,
+      std::chrono::milliseconds timeout);
+
+  // Queues `body` for the worker thread; the returned Work completes when it has run.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* op_name,
+                                         std::chrono::milliseconds op_timeout,
+                                         std::vector<at::Tensor> keep_alive,
+                                         std::vector<at::Tensor> outputs, Body body,
+                                         std::uint32_t ntags = 1);
+  c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, const char* op_name,
+                                          std::vector<at::Tensor>& tensors, int peer, int tag);
+  // Posts a validated send or receive now.
+  c10::intrusive_ptr<c10d_detail::P2PWork> post_now(c10d::OpType type,
+                                                    const std::vector<at::Tensor>& tensors,
+                                                    int peer, int tag);
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  // The collectives' context for tensors like `like` (its memory type; on a device, the backend's
+  // DeviceOps for it). An undefined `like` means host memory.
+  coll::Context context(const char* op_name, std::uint32_t tag,
+                        std::chrono::steady_clock::time_point deadline, const at::Tensor& like);
+  void run(c10d_detail::Task& task);
+  std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
+  void worker_loop();
+  void reap_locked();
+  std::string where() const;
+
+  int rank_;
+  int size_;
+  std::string name_;
+  std::string group_name_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<Communicator> comm_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
+  std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the worker's lock-free polling
+  std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before sleeping
+  bool stopping_ = false;
+  std::uint32_t next_tag_ = 0;
+  std::uint64_t collectives_issued_ = 0;
+  // In-flight work the backend keeps alive (and its tensors) until it completes.
+  std::list<c10::intrusive_ptr<c10d_detail::P2PWork>> inflight_;
+  // The worker thread's streams and DeviceOps per device (device tensors).
+  std::unique_ptr<c10d_detail::DeviceStreams> streams_;
+  bool aten_on_cpu_ = false;  // COMMUX_ATEN_REDUCE=1
+  std::atomic<std::uint64_t> device_ops_calls_{0};
+  std::thread worker_;
+  // Completes the futures of p2p Works (shared with the Works through weak_ptrs).
+  std::shared_ptr<c10d_detail::FutureWatcher> watcher_;
+  bool shut_down_ = false;
+
+  // Coalescing windows, per issuing thread; open_windows_ lets ops skip the lock when none is open
+  // (a window is opened and used by one thread, so that thread sees its own increment).
+  struct Deferred {
+    c10d::OpType type;
+    std::vector<at::Tensor> tensors;
+    int peer;
+    int tag;
+    c10::intrusive_ptr<c10d_detail::DeferredWork> work;
+  };
+  struct Window {
+    std::thread::id thread;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<Deferred> deferred;  // COMMUX_GROUP=1: p2p ops posted at endCoalescing
+  };
+  bool defer_in_window_ = false;
+  std::atomic<int> open_windows_{0};
+  std::mutex coalesce_mu_;
+  std::vector<Window> windows_;
+};
+
+}  // namespace commux
