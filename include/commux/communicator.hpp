@@ -122,7 +122,7 @@ struct RuntimeInfo {
   std::vector<std::string> memory_types;      // memory types the context supports
   std::vector<std::string> applied_defaults;  // commux's UCX settings in effect ("NAME=value")
   std::vector<std::string> user_settings;     // UCX_* variables from the environment (they win)
-  bool event_fd = false;                   // waits sleep on the worker's fd (else yielding poll)
+  bool event_fd = false;                      // waits sleep on the worker's fd (else yielding poll)
 
   // Whether this UCX can carry memory of type `m` (it is among memory_types, under UCX's own
   // name for it). Host memory always; kUnknown too (UCX detects such a buffer's type itself).

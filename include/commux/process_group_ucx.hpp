@@ -63,8 +63,7 @@ class ProcessGroupUCX : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
                                       int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
   // The coalescing window (batch_isend_irecv, _coalescing_manager): the Work endCoalescing returns
   // covers every operation issued on this thread's group since startCoalescing. With
@@ -88,9 +87,9 @@ class ProcessGroupUCX : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
@@ -129,12 +128,13 @@ class ProcessGroupUCX : public c10d::Backend {
   // collective sequence: every rank must call it in the same order relative to the group's
   // collectives. On any failure nothing stays posted into the caller's memory. `timeout` 0 means
   // the group's timeout.
-  std::vector<std::int64_t> exchange_lanes(const std::string& op, const std::vector<at::Tensor>& sends,
-                                           const std::vector<std::vector<std::int64_t>>& send_bytes,
-                                           const std::vector<at::Tensor>& recvs,
-                                           const std::vector<std::vector<std::int64_t>>& recv_offsets,
-                                           const std::vector<std::vector<std::int64_t>>& recv_capacity,
-                                           std::chrono::milliseconds timeout);
+  std::vector<std::int64_t> exchange_lanes(
+      const std::string& op, const std::vector<at::Tensor>& sends,
+      const std::vector<std::vector<std::int64_t>>& send_bytes,
+      const std::vector<at::Tensor>& recvs,
+      const std::vector<std::vector<std::int64_t>>& recv_offsets,
+      const std::vector<std::vector<std::int64_t>>& recv_capacity,
+      std::chrono::milliseconds timeout);
 
   // Cancels what is still in flight (its Works fail with "shut down"), stops the worker thread and
   // closes the endpoints; bounded by COMMUX_SHUTDOWN_TIMEOUT_MS. Idempotent; the destructor calls it.

@@ -34,8 +34,8 @@ py::dict runtime_info() {
   d["user_settings"] = i.user_settings;
   d["event_fd"] = i.event_fd;
   d["packing"] = o.packing == commux::Packing::kIov ? "iov (COMMUX_COALESCE)" : "parts";
-  d["coalescing_window"] = o.defer_in_window ? "deferred, posted together (COMMUX_GROUP)"
-                                             : "posted at once";
+  d["coalescing_window"] =
+      o.defer_in_window ? "deferred, posted together (COMMUX_GROUP)" : "posted at once";
   d["spin_us"] = o.spin.count();
   d["shutdown_timeout_ms"] = o.shutdown_timeout.count();
   return d;
@@ -76,17 +76,18 @@ PYBIND11_MODULE(_C, m) {
                        std::chrono::milliseconds timeout, const std::string& name,
                        const std::string& group_name) {
              return c10::make_intrusive<commux::ProcessGroupUCX>(store, rank, size, timeout, name,
-                                                                group_name);
+                                                                 group_name);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"),
-           py::arg("timeout") = commux::ProcessGroupUCX::kDefaultTimeout,
-           py::arg("name") = "ucx", py::arg("group_name") = "",
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("timeout") = commux::ProcessGroupUCX::kDefaultTimeout, py::arg("name") = "ucx",
+           py::arg("group_name") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("timeout", &commux::ProcessGroupUCX::timeout)
       .def(
           "_exchange_lanes",
-          [](commux::ProcessGroupUCX& pg, const std::string& op, const std::vector<at::Tensor>& sends,
-             const std::vector<std::vector<std::int64_t>>& send_bytes, const std::vector<at::Tensor>& recvs,
+          [](commux::ProcessGroupUCX& pg, const std::string& op,
+             const std::vector<at::Tensor>& sends,
+             const std::vector<std::vector<std::int64_t>>& send_bytes,
+             const std::vector<at::Tensor>& recvs,
              const std::vector<std::vector<std::int64_t>>& recv_offsets,
              const std::vector<std::vector<std::int64_t>>& recv_capacity, std::int64_t timeout_ms) {
             return pg.exchange_lanes(op, sends, send_bytes, recvs, recv_offsets, recv_capacity,
@@ -95,12 +96,15 @@ PYBIND11_MODULE(_C, m) {
           py::arg("op"), py::arg("sends"), py::arg("send_bytes"), py::arg("recvs"),
           py::arg("recv_offsets"), py::arg("recv_capacity"), py::arg("timeout_ms") = 0,
           py::call_guard<py::gil_scoped_release>(),
-          "commux.ep's sparse all-to-all of byte tensors on internal tags (see process_group_ucx.hpp)")
+          "commux.ep's sparse all-to-all of byte tensors on internal tags (see "
+          "process_group_ucx.hpp)")
       .def(
           "_ep_header_step",
-          [](commux::ProcessGroupUCX& pg, const std::string& op, const std::vector<std::int64_t>& fields,
-             const std::string& reason, std::int64_t header_ints, std::int64_t rows_at, std::int64_t bytes_at,
-             const std::vector<std::int64_t>& counts, std::int64_t stride, std::int64_t timeout_ms) {
+          [](commux::ProcessGroupUCX& pg, const std::string& op,
+             const std::vector<std::int64_t>& fields, const std::string& reason,
+             std::int64_t header_ints, std::int64_t rows_at, std::int64_t bytes_at,
+             const std::vector<std::int64_t>& counts, std::int64_t stride,
+             std::int64_t timeout_ms) {
             // commux.ep's first step in one call: every rank's header out (make_headers), every
             // rank's header in, read back (read_headers). Returns (fields, reasons, bytes received).
             commux::ep::Headers h;
@@ -109,21 +113,24 @@ PYBIND11_MODULE(_C, m) {
               py::gil_scoped_release nogil;
               const auto R = static_cast<std::int64_t>(counts.size());
               const std::int64_t hb = header_ints * 8;
-              at::Tensor out = commux::ep::make_headers(fields, reason, header_ints, rows_at, bytes_at,
-                                                        counts, stride).view({-1});
+              at::Tensor out = commux::ep::make_headers(fields, reason, header_ints, rows_at,
+                                                        bytes_at, counts, stride)
+                                   .view({-1});
               at::Tensor in = at::empty({R * hb}, out.options());
               std::vector<std::int64_t> sizes(static_cast<std::size_t>(R), hb), offsets;
               for (std::int64_t p = 0; p < R; ++p) offsets.push_back(p * hb);
               got = pg.exchange_lanes(op, {out}, {sizes}, {in}, {offsets}, {sizes},
                                       std::chrono::milliseconds(timeout_ms));
-              h = commux::ep::read_headers(in, offsets, got, hb, static_cast<std::int64_t>(fields.size()));
+              h = commux::ep::read_headers(in, offsets, got, hb,
+                                           static_cast<std::int64_t>(fields.size()));
             }
             py::list reasons;
             for (const auto& r : h.reasons) reasons.append(py::bytes(r));
             return py::make_tuple(h.fields, reasons, got);
           },
-          py::arg("op"), py::arg("fields"), py::arg("reason"), py::arg("header_ints"), py::arg("rows_at"),
-          py::arg("bytes_at"), py::arg("counts"), py::arg("stride"), py::arg("timeout_ms") = 0)
+          py::arg("op"), py::arg("fields"), py::arg("reason"), py::arg("header_ints"),
+          py::arg("rows_at"), py::arg("bytes_at"), py::arg("counts"), py::arg("stride"),
+          py::arg("timeout_ms") = 0)
       .def_property_readonly("device_ops_calls", &commux::ProcessGroupUCX::device_ops_calls,
                              "collective calls that reduced and kept scratch on the tensors' "
                              "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)");
@@ -131,13 +138,15 @@ PYBIND11_MODULE(_C, m) {
   // commux.ep's row work (src/c10d/ep_kernels.hpp).
   m.def(
       "_ep_route",
-      [](const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t ranks, bool per_assignment) {
+      [](const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t ranks,
+         bool per_assignment) {
         commux::ep::Route r;
         {
           py::gil_scoped_release nogil;
           r = commux::ep::route(topk_idx, num_experts, ranks, per_assignment);
         }
-        return py::make_tuple(r.error, r.counts, r.token, r.slot, r.expert, r.in_rank, r.per_expert);
+        return py::make_tuple(r.error, r.counts, r.token, r.slot, r.expert, r.in_rank,
+                              r.per_expert);
       },
       py::arg("topk_idx"), py::arg("num_experts"), py::arg("ranks"), py::arg("per_assignment"));
   m.def(
@@ -146,8 +155,8 @@ PYBIND11_MODULE(_C, m) {
          const std::optional<at::Tensor>& index, const std::vector<at::Tensor>& row_parts,
          const std::vector<std::int64_t>& row_offsets, const std::vector<std::int64_t>& counts,
          std::int64_t stride) {
-        return commux::ep::pack(parts, offsets, index ? *index : at::Tensor(), row_parts, row_offsets,
-                                counts, stride);
+        return commux::ep::pack(parts, offsets, index ? *index : at::Tensor(), row_parts,
+                                row_offsets, counts, stride);
       },
       py::arg("parts"), py::arg("offsets"), py::arg("index"), py::arg("row_parts"),
       py::arg("row_offsets"), py::arg("counts"), py::arg("stride"),
@@ -159,7 +168,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_ep_read_headers",
       [](const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-         const std::vector<std::int64_t>& received, std::int64_t header_bytes, std::int64_t fields) {
+         const std::vector<std::int64_t>& received, std::int64_t header_bytes,
+         std::int64_t fields) {
         auto h = commux::ep::read_headers(recv, slot_offsets, received, header_bytes, fields);
         py::list reasons;
         for (const auto& r : h.reasons) reasons.append(py::bytes(r));
@@ -167,17 +177,20 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("recv"), py::arg("slot_offsets"), py::arg("received"), py::arg("header_bytes"),
       py::arg("fields"));
-  m.def("_ep_unpack", &commux::ep::unpack, py::arg("recv"), py::arg("slot_offsets"), py::arg("rows"),
-        py::arg("stride"), py::arg("offsets"), py::arg("sizes"), py::call_guard<py::gil_scoped_release>());
+  m.def("_ep_unpack", &commux::ep::unpack, py::arg("recv"), py::arg("slot_offsets"),
+        py::arg("rows"), py::arg("stride"), py::arg("offsets"), py::arg("sizes"),
+        py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "_ep_local_ids",
       [](const at::Tensor& gid, const std::optional<at::Tensor>& weights, std::int64_t lo,
          std::int64_t experts_here, std::int64_t alignment) {
-        auto r = commux::ep::local_ids(gid, weights ? *weights : at::Tensor(), lo, experts_here, alignment);
+        auto r = commux::ep::local_ids(gid, weights ? *weights : at::Tensor(), lo, experts_here,
+                                       alignment);
         return py::make_tuple(r.local, r.per_expert);
       },
-      py::arg("gid"), py::arg("weights"), py::arg("lo"), py::arg("experts_here"), py::arg("alignment"));
+      py::arg("gid"), py::arg("weights"), py::arg("lo"), py::arg("experts_here"),
+      py::arg("alignment"));
   m.def(
       "_ep_combine_sum",
       [](const at::Tensor& x, const std::optional<at::Tensor>& weights, const at::Tensor& order,
@@ -222,7 +235,8 @@ PYBIND11_MODULE(_C, m) {
         }
         return rows;
       },
-      "Every environment variable commux reads: name, type, default, read (per group or once), meaning");
+      "Every environment variable commux reads: name, type, default, read (per group or once), "
+      "meaning");
   m.def(
       "settings",
       [] {

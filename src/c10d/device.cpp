@@ -47,8 +47,7 @@ const char* how_to_get(MemoryType m) {
     case MemoryType::kZe:
       return "use a UCX (1.15 or newer) configured --with-ze and build commux against it "
              "(-DCOMMUX_UCX_PROVIDER=system); if UCX_TLS is set, it must allow ze_copy";
-    default:
-      return "use a UCX built for this accelerator";
+    default: return "use a UCX built for this accelerator";
   }
 }
 
@@ -184,10 +183,11 @@ void StreamFence::wait(std::chrono::steady_clock::time_point deadline, const cha
     while (!events_[i].query()) {
       const auto now = Clock::now();
       if (now >= deadline) {
-        throw Error(Errc::kTimeout,
-                    std::string("commux ") + op + ": the work queued on the current stream of " +
-                        devices_[i].str() + " before the operation did not finish before the "
-                        "operation's deadline; nothing was posted");
+        throw Error(Errc::kTimeout, std::string("commux ") + op +
+                                        ": the work queued on the current stream of " +
+                                        devices_[i].str() +
+                                        " before the operation did not finish before the "
+                                        "operation's deadline; nothing was posted");
       }
       if (now < spin_until) {
         std::this_thread::yield();
@@ -209,7 +209,8 @@ DeviceStreams::DeviceStreams() = default;
 DeviceStreams::~DeviceStreams() = default;
 
 DeviceStreams::PerDevice& DeviceStreams::get(const c10::Device& device) {
-  const auto key = std::make_pair(static_cast<int>(device.type()), static_cast<int>(device.index()));
+  const auto key =
+      std::make_pair(static_cast<int>(device.type()), static_cast<int>(device.index()));
   auto it = devices_.find(key);
   if (it == devices_.end()) {
     const c10::impl::VirtualGuardImpl impl(device.type());

@@ -37,8 +37,8 @@ namespace {
 std::int64_t checked_total(const std::string& op, const std::vector<std::int64_t>& bytes,
                            const char* what, int size) {
   if (static_cast<int>(bytes.size()) != size) {
-    bad(op, std::string(what) + " has " + std::to_string(bytes.size()) + " entries, the group has " +
-                std::to_string(size) + " ranks");
+    bad(op, std::string(what) + " has " + std::to_string(bytes.size()) +
+                " entries, the group has " + std::to_string(size) + " ranks");
   }
   std::int64_t total = 0;
   for (std::size_t p = 0; p < bytes.size(); ++p) {
@@ -54,13 +54,16 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
     const std::string& op, const std::vector<at::Tensor>& sends,
     const std::vector<std::vector<std::int64_t>>& send_bytes, const std::vector<at::Tensor>& recvs,
     const std::vector<std::vector<std::int64_t>>& recv_offsets,
-    const std::vector<std::vector<std::int64_t>>& recv_capacity, std::chrono::milliseconds timeout) {
+    const std::vector<std::vector<std::int64_t>>& recv_capacity,
+    std::chrono::milliseconds timeout) {
   const int size = getSize();
   const int me = getRank();
   const std::size_t L = sends.size();
   if (L == 0 || send_bytes.size() != L || recvs.size() != L || recv_offsets.size() != L ||
       recv_capacity.size() != L) {
-    bad(op, "needs the same number (>= 1) of send tensors, send sizes, receive tensors, offsets and capacities");
+    bad(op,
+        "needs the same number (>= 1) of send tensors, send sizes, receive tensors, offsets and "
+        "capacities");
   }
   std::vector<std::vector<std::int64_t>> send_off(L);
   std::vector<MemoryType> send_mem(L), recv_mem(L);
@@ -77,17 +80,18 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
     checked_total(op, recv_capacity[l], "recv_capacity", size);
     checked_total(op, recv_offsets[l], "recv_offsets", size);
     if (send_total != sends[l].numel()) {
-      bad(op, "send_bytes add up to " + std::to_string(send_total) + " bytes, the send buffer holds " +
-                  std::to_string(sends[l].numel()));
+      bad(op, "send_bytes add up to " + std::to_string(send_total) +
+                  " bytes, the send buffer holds " + std::to_string(sends[l].numel()));
     }
     for (int p = 0; p < size; ++p) {
       if (recv_offsets[l][p] + recv_capacity[l][p] > recvs[l].numel()) {
-        bad(op, "the receive slot of rank " + std::to_string(p) + " lies outside the receive buffer");
+        bad(op,
+            "the receive slot of rank " + std::to_string(p) + " lies outside the receive buffer");
       }
     }
     if (send_bytes[l][me] > recv_capacity[l][me]) {
-      bad(op, "this rank sends itself " + std::to_string(send_bytes[l][me]) + " bytes, more than its " +
-                  std::to_string(recv_capacity[l][me]) + "-byte slot");
+      bad(op, "this rank sends itself " + std::to_string(send_bytes[l][me]) +
+                  " bytes, more than its " + std::to_string(recv_capacity[l][me]) + "-byte slot");
     }
     send_off[l].assign(size + 1, 0);
     for (int p = 0; p < size; ++p) send_off[l][p + 1] = send_off[l][p] + send_bytes[l][p];
@@ -133,19 +137,26 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
     // UCX reads the send buffers and overwrites the receive buffers from now on: the work queued
     // on their streams must be complete.
     bool device = false;
-    for (std::size_t l = 0; l < L; ++l) device = device || send_mem[l] != MemoryType::kHost || recv_mem[l] != MemoryType::kHost;
+    for (std::size_t l = 0; l < L; ++l)
+      device = device || send_mem[l] != MemoryType::kHost || recv_mem[l] != MemoryType::kHost;
     if (device) StreamFence(all).wait(deadline, op.c_str());
     for (int p = 0; p < size; ++p) {
       if (p == me) continue;
       const std::size_t n = gather(p, false);
-      if (n > 0) posted.push_back({commux::detail::channel(*comm_).post_recv(parts.data(), n, p, TagKind::kInternal, tag), p, false});
+      if (n > 0)
+        posted.push_back(
+            {commux::detail::channel(*comm_).post_recv(parts.data(), n, p, TagKind::kInternal, tag),
+             p, false});
     }
     for (int i = 1; i < size; ++i) {  // start with the next rank, so no peer is everyone's first
       const int p = (me + i) % size;
       const std::size_t n = gather(p, true);
       // Waited on at once: UCX may then stay eager up to its fast-completion threshold.
       if (n > 0) {
-        posted.push_back({commux::detail::channel(*comm_).post_send(parts.data(), n, p, TagKind::kInternal, tag, /*fast_completion=*/true), p, true});
+        posted.push_back(
+            {commux::detail::channel(*comm_).post_send(parts.data(), n, p, TagKind::kInternal, tag,
+                                                       /*fast_completion=*/true),
+             p, true});
       }
     }
     for (std::size_t l = 0; l < L; ++l) {
@@ -163,17 +174,19 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
     // that wait for them (so they fail or finish promptly, not at their timeout).
     std::exception_ptr first;
     for (auto& p : posted) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       try {
         p.request.wait(std::max(left, std::chrono::milliseconds(1)));
         if (!p.is_send) received[p.peer] = static_cast<std::int64_t>(p.request.bytes());
       } catch (const Error& err) {
         if (err.code() == Errc::kTimeout) {
-          throw Error(Errc::kTimeout,
-                      std::string("timed out after ") + std::to_string(limit.count()) +
-                          " ms waiting for the " + (p.is_send ? "send to" : "message from") + " rank " +
-                          std::to_string(p.peer) + ": has every rank of the group made the same call? "
-                          "(cancelled)");
+          throw Error(Errc::kTimeout, std::string("timed out after ") +
+                                          std::to_string(limit.count()) + " ms waiting for the " +
+                                          (p.is_send ? "send to" : "message from") + " rank " +
+                                          std::to_string(p.peer) +
+                                          ": has every rank of the group made the same call? "
+                                          "(cancelled)");
         }
         if (err.code() == Errc::kTruncated && !p.is_send) {
           received[p.peer] = -1;  // longer than its slot: the caller says what that means

@@ -17,7 +17,9 @@ std::atomic<bool> aten_on_host{false};
 
 // Host memory is handled with plain loops, unless set_aten_on_host(true) asks for the ATen path
 // there too (so CI runs the device path's code without a device).
-bool loops(const c10::Device& d) { return d.is_cpu() && !aten_on_host.load(std::memory_order_relaxed); }
+bool loops(const c10::Device& d) {
+  return d.is_cpu() && !aten_on_host.load(std::memory_order_relaxed);
+}
 
 [[noreturn]] void bad(const std::string& what) {
   C10_THROW_ERROR(ValueError, "commux ep: " + what);
@@ -85,7 +87,8 @@ Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t r
     return r;
   }
   if (R <= 0 || E % R != 0) {
-    r.error = "num_experts=" + std::to_string(E) + " is not a multiple of the group size " + std::to_string(R);
+    r.error = "num_experts=" + std::to_string(E) + " is not a multiple of the group size " +
+              std::to_string(R);
     return r;
   }
   if (!topk_idx.defined() || topk_idx.dim() != 2) {
@@ -94,7 +97,8 @@ Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t r
   }
   if (at::isFloatingType(topk_idx.scalar_type()) || at::isComplexType(topk_idx.scalar_type()) ||
       topk_idx.scalar_type() == at::kBool) {
-    r.error = std::string("topk_idx must be an integer tensor, got ") + c10::toString(topk_idx.scalar_type());
+    r.error = std::string("topk_idx must be an integer tensor, got ") +
+              c10::toString(topk_idx.scalar_type());
     return r;
   }
   const at::Tensor idx = topk_idx.to(at::kCPU, at::kLong).contiguous();
@@ -123,7 +127,8 @@ Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t r
       for (std::int64_t i = 0; i < j; ++i) {
         if (row[i] == e) {
           r.error = "token " + std::to_string(t) + " names expert " + std::to_string(e) +
-                    " twice in its top-k (slots " + std::to_string(i) + " and " + std::to_string(j) + ")";
+                    " twice in its top-k (slots " + std::to_string(i) + " and " +
+                    std::to_string(j) + ")";
           return r;
         }
       }
@@ -167,8 +172,8 @@ Route route(const at::Tensor& topk_idx, std::int64_t num_experts, std::int64_t r
 
 at::Tensor pack(const std::vector<at::Tensor>& parts, const std::vector<std::int64_t>& offsets,
                 const at::Tensor& index, const std::vector<at::Tensor>& row_parts,
-                const std::vector<std::int64_t>& row_offsets, const std::vector<std::int64_t>& counts,
-                std::int64_t stride) {
+                const std::vector<std::int64_t>& row_offsets,
+                const std::vector<std::int64_t>& counts, std::int64_t stride) {
   const auto R = static_cast<std::int64_t>(counts.size());
   if (parts.size() != offsets.size() || row_parts.size() != row_offsets.size()) {
     bad("pack: one offset per part");
@@ -202,7 +207,9 @@ at::Tensor pack(const std::vector<at::Tensor>& parts, const std::vector<std::int
     fields.push_back({indexed ? p.contiguous() : p.to(device).contiguous(), nb, off, indexed});
   }
   const bool identity = !index.defined();
-  if (identity ? S > T : (index.numel() != S || index.scalar_type() != at::kLong || !index.device().is_cpu())) {
+  if (identity
+          ? S > T
+          : (index.numel() != S || index.scalar_type() != at::kLong || !index.device().is_cpu())) {
     bad("pack: the row index must be a host int64 tensor of one entry per row sent");
   }
   if (loops(device)) {
@@ -248,7 +255,8 @@ at::Tensor make_headers(const std::vector<std::int64_t>& fields, const std::stri
   const auto R = static_cast<std::int64_t>(counts.size());
   at::Tensor out = at::zeros({R, header_ints * 8}, at::TensorOptions().dtype(at::kByte));
   auto* o = out.data_ptr<std::uint8_t>();
-  const std::size_t text = std::min<std::size_t>(reason.size(), static_cast<std::size_t>((header_ints - nf) * 8));
+  const std::size_t text =
+      std::min<std::size_t>(reason.size(), static_cast<std::size_t>((header_ints - nf) * 8));
   std::vector<std::int64_t> row(fields);
   for (std::int64_t p = 0; p < R; ++p, o += header_ints * 8) {
     row[static_cast<std::size_t>(rows_at)] = counts[static_cast<std::size_t>(p)];
@@ -262,7 +270,8 @@ at::Tensor make_headers(const std::vector<std::int64_t>& fields, const std::stri
 Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
                      const std::vector<std::int64_t>& received, std::int64_t header_bytes,
                      std::int64_t fields) {
-  if (received.size() != slot_offsets.size() || fields * 8 > header_bytes) bad("read_headers: bad sizes");
+  if (received.size() != slot_offsets.size() || fields * 8 > header_bytes)
+    bad("read_headers: bad sizes");
   Headers h;
   const at::Tensor host = recv.device().is_cpu() ? recv : at::Tensor();
   std::vector<std::uint8_t> one(static_cast<std::size_t>(header_bytes));
@@ -270,7 +279,8 @@ Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& sl
     h.fields.emplace_back(static_cast<std::size_t>(fields), 0);
     h.reasons.emplace_back();
     if (received[p] < header_bytes) continue;
-    if (slot_offsets[p] < 0 || slot_offsets[p] + header_bytes > recv.numel()) bad("read_headers: slot outside the buffer");
+    if (slot_offsets[p] < 0 || slot_offsets[p] + header_bytes > recv.numel())
+      bad("read_headers: slot outside the buffer");
     if (host.defined()) {
       std::memcpy(one.data(), host.data_ptr<std::uint8_t>() + slot_offsets[p], one.size());
     } else {
@@ -286,11 +296,14 @@ Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& sl
   return h;
 }
 
-std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
-                               const std::vector<std::int64_t>& rows, std::int64_t stride, const std::vector<std::int64_t>& offsets,
+std::vector<at::Tensor> unpack(const at::Tensor& recv,
+                               const std::vector<std::int64_t>& slot_offsets,
+                               const std::vector<std::int64_t>& rows, std::int64_t stride,
+                               const std::vector<std::int64_t>& offsets,
                                const std::vector<std::int64_t>& sizes) {
   const std::int64_t N = total(rows);
-  if (rows.size() != slot_offsets.size() || offsets.size() != sizes.size()) bad("unpack: bad sizes");
+  if (rows.size() != slot_offsets.size() || offsets.size() != sizes.size())
+    bad("unpack: bad sizes");
   for (std::size_t p = 0; p < rows.size(); ++p) {
     if (rows[p] < 0 || slot_offsets[p] + rows[p] * stride > recv.numel()) {
       bad("unpack: rows of rank " + std::to_string(p) + " lie outside the received buffer");
@@ -323,7 +336,8 @@ std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::in
     blocks.push_back(recv.narrow(0, slot_offsets[p], rows[p] * stride).view({rows[p], stride}));
   }
   const at::Tensor all = blocks.empty() ? at::empty({0, stride}, recv.options()) : at::cat(blocks);
-  for (std::size_t f = 0; f < sizes.size(); ++f) out.push_back(all.narrow(1, offsets[f], sizes[f]).contiguous());
+  for (std::size_t f = 0; f < sizes.size(); ++f)
+    out.push_back(all.narrow(1, offsets[f], sizes[f]).contiguous());
   return out;
 }
 
@@ -337,10 +351,12 @@ LocalIds local_ids(const at::Tensor& gid, const at::Tensor& weights, std::int64_
     const at::Tensor mine = (gid >= lo).logical_and(gid < lo + experts_here);
     out.local = at::where(mine, gid - lo, -1).to(at::kLong);
     if (weights.defined()) weights.masked_fill_(mine.logical_not(), 0.0);
-    const at::Tensor counts =
-        at::bincount(out.local.reshape({-1}) + 1, {}, experts_here + 1).narrow(0, 1, experts_here).cpu();
+    const at::Tensor counts = at::bincount(out.local.reshape({-1}) + 1, {}, experts_here + 1)
+                                  .narrow(0, 1, experts_here)
+                                  .cpu();
     const auto* c = counts.data_ptr<std::int64_t>();
-    for (std::int64_t e = 0; e < experts_here; ++e) out.per_expert[e] = (c[e] + alignment - 1) / alignment * alignment;
+    for (std::int64_t e = 0; e < experts_here; ++e)
+      out.per_expert[e] = (c[e] + alignment - 1) / alignment * alignment;
     return out;
   }
   const at::Tensor g = gid.contiguous();
@@ -371,7 +387,8 @@ LocalIds local_ids(const at::Tensor& gid, const at::Tensor& weights, std::int64_
 
 std::vector<at::Tensor> combine_sum(const at::Tensor& x, const at::Tensor& weights,
                                     const at::Tensor& order, std::int64_t tokens) {
-  if (x.scalar_type() != at::kBFloat16 || x.dim() != 2) bad("combine_sum: rows must be [S, H] bfloat16");
+  if (x.scalar_type() != at::kBFloat16 || x.dim() != 2)
+    bad("combine_sum: rows must be [S, H] bfloat16");
   const std::int64_t N = x.size(0), H = x.size(1);
   const bool w = weights.defined();
   if (w && (weights.scalar_type() != at::kFloat || weights.dim() != 2 || weights.size(0) != N)) {
@@ -426,7 +443,8 @@ std::vector<at::Tensor> combine_sum(const at::Tensor& x, const at::Tensor& weigh
     for (std::int64_t h0 = 0; h0 < H; h0 += kBlock) {
       const std::int64_t m = std::min(kBlock, H - h0);
       std::fill(block, block + m, 0.0f);
-      for (std::int64_t q = start[t]; q < start[t + 1]; ++q) add_bf16(block, xb + (row_of[q] * H + h0) * 2, m);
+      for (std::int64_t q = start[t]; q < start[t + 1]; ++q)
+        add_bf16(block, xb + (row_of[q] * H + h0) * 2, m);
       to_bf16(o + t * H + h0, block, static_cast<std::size_t>(m));
     }
     for (std::int64_t q = start[t]; w && q < start[t + 1]; ++q) {
@@ -436,17 +454,19 @@ std::vector<at::Tensor> combine_sum(const at::Tensor& x, const at::Tensor& weigh
   return {out, wsum};
 }
 
-Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert, const at::Tensor& src,
-                const std::vector<std::int64_t>& recv_counts, std::int64_t lo, std::int64_t experts_here,
-                std::int64_t slots) {
+Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert,
+                const at::Tensor& src, const std::vector<std::int64_t>& recv_counts,
+                std::int64_t lo, std::int64_t experts_here, std::int64_t slots) {
   const std::int64_t N = total(recv_counts);
   const auto R = static_cast<std::int64_t>(recv_counts.size());
   const std::int64_t E = experts_here;
-  if (expert.numel() != N || src.numel() != N || expert.scalar_type() != at::kInt || src.scalar_type() != at::kInt) {
+  if (expert.numel() != N || src.numel() != N || expert.scalar_type() != at::kInt ||
+      src.scalar_type() != at::kInt) {
     bad("ll_place: expert and src must be int32, one per row");
   }
   for (const auto& r : rows) {
-    if (r.dim() != 2 || r.size(0) != N || r.scalar_type() != at::kByte) bad("ll_place: rows must be [N, bytes] uint8");
+    if (r.dim() != 2 || r.size(0) != N || r.scalar_type() != at::kByte)
+      bad("ll_place: rows must be [N, bytes] uint8");
   }
   const c10::Device dev = expert.device();
   const auto opts = at::TensorOptions().device(dev);
@@ -454,17 +474,20 @@ Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert, c
   // The slot of every row, on the host (the counts are needed there anyway).
   const at::Tensor e_host = expert.to(at::kCPU).contiguous();
   const auto* ep = e_host.data_ptr<std::int32_t>();
-  std::vector<std::int64_t> count(static_cast<std::size_t>(E), 0), per(static_cast<std::size_t>(E * R), 0);
+  std::vector<std::int64_t> count(static_cast<std::size_t>(E), 0),
+      per(static_cast<std::size_t>(E * R), 0);
   out.gather = at::empty({N}, at::TensorOptions().dtype(at::kLong));
   auto* gp = out.gather.data_ptr<std::int64_t>();
   std::int64_t i = 0;
   for (std::int64_t p = 0; p < R; ++p) {
     for (std::int64_t j = 0; j < recv_counts[static_cast<std::size_t>(p)]; ++j, ++i) {
       const std::int64_t e = static_cast<std::int64_t>(ep[i]) - lo;
-      if (e < 0 || e >= E) bad("ll_place: rank " + std::to_string(p) + " sent a row for expert " +
-                               std::to_string(ep[i]) + ", which is not on this rank");
+      if (e < 0 || e >= E)
+        bad("ll_place: rank " + std::to_string(p) + " sent a row for expert " +
+            std::to_string(ep[i]) + ", which is not on this rank");
       const std::int64_t pos = count[static_cast<std::size_t>(e)]++;
-      if (pos >= slots) bad("ll_place: more rows for one expert than its " + std::to_string(slots) + " slots");
+      if (pos >= slots)
+        bad("ll_place: more rows for one expert than its " + std::to_string(slots) + " slots");
       gp[i] = e * slots + pos;
       ++per[static_cast<std::size_t>(e * R + p)];
     }
@@ -496,7 +519,8 @@ Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert, c
       const at::Tensor rc = r.contiguous();
       const auto* rp = rc.data_ptr<std::uint8_t>();
       auto* op = o.data_ptr<std::uint8_t>();
-      for (std::int64_t q = 0; q < N; ++q) std::memcpy(op + gp[q] * nb, rp + q * nb, static_cast<std::size_t>(nb));
+      for (std::int64_t q = 0; q < N; ++q)
+        std::memcpy(op + gp[q] * nb, rp + q * nb, static_cast<std::size_t>(nb));
       out.rows.push_back(o);
     }
     return out;

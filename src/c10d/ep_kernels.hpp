@@ -55,8 +55,8 @@ at::Tensor make_headers(const std::vector<std::int64_t>& fields, const std::stri
 // 0, 1, 2, ... On the device of the parts (the host when there are none).
 at::Tensor pack(const std::vector<at::Tensor>& parts, const std::vector<std::int64_t>& offsets,
                 const at::Tensor& index, const std::vector<at::Tensor>& row_parts,
-                const std::vector<std::int64_t>& row_offsets, const std::vector<std::int64_t>& counts,
-                std::int64_t stride);
+                const std::vector<std::int64_t>& row_offsets,
+                const std::vector<std::int64_t>& counts, std::int64_t stride);
 
 // The headers of a received buffer: for each rank, its first `fields` int64 and the reason text
 // after them (trailing zero bytes dropped); a rank that sent fewer bytes than a header (received
@@ -71,7 +71,8 @@ Headers read_headers(const at::Tensor& recv, const std::vector<std::int64_t>& sl
 
 // The fields of the rows of a received packed lane, grouped by source rank in rank order: rows[p]
 // rows start at slot_offsets[p]. Returns one [N, sizes[f]] uint8 tensor per field.
-std::vector<at::Tensor> unpack(const at::Tensor& recv, const std::vector<std::int64_t>& slot_offsets,
+std::vector<at::Tensor> unpack(const at::Tensor& recv,
+                               const std::vector<std::int64_t>& slot_offsets,
                                const std::vector<std::int64_t>& rows, std::int64_t stride,
                                const std::vector<std::int64_t>& offsets,
                                const std::vector<std::int64_t>& sizes);
@@ -104,8 +105,8 @@ struct Placed {
   at::Tensor layout_range;       // [experts_here, R] int64: (begin << 32) | count per source rank
   at::Tensor gather;             // [N] int64, host: expert * slots + slot of every arrived row
 };
-Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert, const at::Tensor& src,
-                const std::vector<std::int64_t>& recv_counts, std::int64_t lo, std::int64_t experts_here,
-                std::int64_t slots);
+Placed ll_place(const std::vector<at::Tensor>& rows, const at::Tensor& expert,
+                const at::Tensor& src, const std::vector<std::int64_t>& recv_counts,
+                std::int64_t lo, std::int64_t experts_here, std::int64_t slots);
 
 }  // namespace commux::ep

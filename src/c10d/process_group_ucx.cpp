@@ -29,24 +29,24 @@
 
 namespace commux {
 
+using c10d_detail::check_blocks;
+using c10d_detail::check_root;
 using c10d_detail::Clock;
 using c10d_detail::CoalescedWork;
 using c10d_detail::CollWork;
 using c10d_detail::DeferredWork;
+using c10d_detail::invalid;
 using c10d_detail::memory_type_of;
+using c10d_detail::nbytes;
 using c10d_detail::on_device;
 using c10d_detail::P2PWork;
+using c10d_detail::Reduction;
+using c10d_detail::root_list;
+using c10d_detail::single;
 using c10d_detail::StreamFence;
 using c10d_detail::Task;
-using c10d_detail::invalid;
-using c10d_detail::nbytes;
-using c10d_detail::Reduction;
 using c10d_detail::to_dtype;
 using c10d_detail::to_reduction;
-using c10d_detail::single;
-using c10d_detail::check_root;
-using c10d_detail::check_blocks;
-using c10d_detail::root_list;
 
 namespace {
 
@@ -60,14 +60,15 @@ class C10dStore final : public Store {
   void set(const std::string& key, const std::vector<std::uint8_t>& value) override {
     store_->set(key, value);
   }
-  std::vector<std::uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
+  std::vector<std::uint8_t> get(const std::string& key,
+                                std::chrono::milliseconds timeout) override {
     try {
       store_->wait({key}, timeout);
     } catch (const std::exception& e) {
-      throw Error(Errc::kTimeout, "commux init: key '" + key + "' did not appear in the store within " +
-                                      std::to_string(timeout.count()) +
-                                      " ms (has every rank called init_process_group / new_group?): " +
-                                      e.what());
+      throw Error(Errc::kTimeout,
+                  "commux init: key '" + key + "' did not appear in the store within " +
+                      std::to_string(timeout.count()) +
+                      " ms (has every rank called init_process_group / new_group?): " + e.what());
     }
     return store_->get(key);
   }
@@ -184,9 +185,9 @@ void ProcessGroupUCX::Impl::shutdown() {
   if (worker_.joinable()) worker_.join();
   watcher_->stop();  // after comm_->shutdown(): every request has finished
   for (auto& t : left) {
-    t->finish(std::make_exception_ptr(Error(
-        Errc::kCanceled, std::string("commux ") + t->op_name + ": the process group (" + where() +
-                             ") was shut down before the operation ran")));
+    t->finish(std::make_exception_ptr(
+        Error(Errc::kCanceled, std::string("commux ") + t->op_name + ": the process group (" +
+                                   where() + ") was shut down before the operation ran")));
   }
   std::lock_guard<std::mutex> lk(mu_);
   inflight_.clear();  // everything was cancelled and completed by comm_->shutdown()
@@ -247,15 +248,17 @@ void ProcessGroupUCX::Impl::run(Task& t) {
   streams_->sync(t.device);
 }
 
-std::chrono::milliseconds ProcessGroupUCX::Impl::effective(std::chrono::milliseconds op_timeout) const {
+std::chrono::milliseconds ProcessGroupUCX::Impl::effective(
+    std::chrono::milliseconds op_timeout) const {
   return op_timeout.count() > 0 ? op_timeout : timeout_;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type, const char* op_name,
-                                                       std::chrono::milliseconds op_timeout,
-                                                       std::vector<at::Tensor> keep_alive,
-                                                       std::vector<at::Tensor> outputs, Body body,
-                                                       std::uint32_t ntags) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
+                                                              const char* op_name,
+                                                              std::chrono::milliseconds op_timeout,
+                                                              std::vector<at::Tensor> keep_alive,
+                                                              std::vector<at::Tensor> outputs,
+                                                              Body body, std::uint32_t ntags) {
   auto t = std::make_shared<Task>();
   t->op_name = op_name;
   t->type = type;
@@ -308,7 +311,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::track(c10::intrusive_ptr<c
 }
 
 coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t tag,
-                                       Clock::time_point deadline, const at::Tensor& like) {
+                                             Clock::time_point deadline, const at::Tensor& like) {
   coll::Context c;
   c.comm = comm_.get();
   c.tag = tag;
@@ -335,9 +338,10 @@ void ProcessGroupUCX::Impl::reap_locked() {
   }
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::post_p2p(c10d::OpType type, const char* op_name,
-                                                        std::vector<at::Tensor>& tensors, int peer,
-                                                        int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::post_p2p(c10d::OpType type,
+                                                               const char* op_name,
+                                                               std::vector<at::Tensor>& tensors,
+                                                               int peer, int tag) {
   c10d_detail::check_p2p(op_name, tensors, peer, getSize(), type == c10d::OpType::SEND, tag);
   if (defer_in_window_ && open_windows_.load(std::memory_order_acquire) > 0) {
     std::lock_guard<std::mutex> lk(coalesce_mu_);
@@ -354,8 +358,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::post_p2p(c10d::OpType type
 }
 
 c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
-                                                      const std::vector<at::Tensor>& tensors,
-                                                      int peer, int tag) {
+                                                            const std::vector<at::Tensor>& tensors,
+                                                            int peer, int tag) {
   Buffer bufs[8];
   std::vector<Buffer> many;
   Buffer* b = bufs;
@@ -366,7 +370,8 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
   const char* op = type == c10d::OpType::SEND ? "send" : "recv";
   bool device = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    b[i] = Buffer{tensors[i].data_ptr(), nbytes(tensors[i]), memory_type_of(op, tensors[i], "tensor")};
+    b[i] =
+        Buffer{tensors[i].data_ptr(), nbytes(tensors[i]), memory_type_of(op, tensors[i], "tensor")};
     device = device || b[i].mem != MemoryType::kHost;
   }
   Request r;
@@ -376,9 +381,10 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
     if (device) StreamFence(tensors).wait(Clock::now() + timeout_, op);
     r = type == c10d::OpType::SEND
             ? commux::detail::channel(*comm_).post_send(b, tensors.size(), peer, TagKind::kUser,
-                               static_cast<std::uint32_t>(tag), /*fast_completion=*/true)
+                                                        static_cast<std::uint32_t>(tag),
+                                                        /*fast_completion=*/true)
             : commux::detail::channel(*comm_).post_recv(b, tensors.size(), peer, TagKind::kUser,
-                               static_cast<std::uint32_t>(tag));
+                                                        static_cast<std::uint32_t>(tag));
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }
@@ -392,20 +398,20 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
   return w;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::send(std::vector<at::Tensor>& tensors, int dstRank,
-                                                    int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::send(std::vector<at::Tensor>& tensors,
+                                                           int dstRank, int tag) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::SEND, "send", tensors, dstRank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::recv(std::vector<at::Tensor>& tensors, int srcRank,
-                                                    int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::recv(std::vector<at::Tensor>& tensors,
+                                                           int srcRank, int tag) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::RECV, "recv", tensors, srcRank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::recvAnysource(std::vector<at::Tensor>& tensors,
-                                                             int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::recvAnysource(
+    std::vector<at::Tensor>& tensors, int tag) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   return post_p2p(c10d::OpType::RECVANYSOURCE, "recvAnysource", tensors, kAnySource, tag);
 }
@@ -417,7 +423,8 @@ void ProcessGroupUCX::Impl::startCoalescing() {
   std::lock_guard<std::mutex> lk(coalesce_mu_);
   const auto me = std::this_thread::get_id();
   for (auto& w : windows_) {
-    if (w.thread == me) invalid("startCoalescing", "a coalescing window is already open on this thread");
+    if (w.thread == me)
+      invalid("startCoalescing", "a coalescing window is already open on this thread");
   }
   windows_.push_back(Window{me, {}, {}});
   open_windows_.fetch_add(1, std::memory_order_release);
@@ -431,7 +438,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::endCoalescing() {
     const auto me = std::this_thread::get_id();
     auto it = std::find_if(windows_.begin(), windows_.end(),
                            [&](const Window& w) { return w.thread == me; });
-    if (it == windows_.end()) invalid("endCoalescing", "no coalescing window is open on this thread");
+    if (it == windows_.end())
+      invalid("endCoalescing", "no coalescing window is open on this thread");
     win = std::move(*it);
     windows_.erase(it);
     open_windows_.fetch_sub(1, std::memory_order_release);
@@ -462,8 +470,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::barrier(const c10d::Barrie
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(std::vector<at::Tensor>& tensors,
-                                                         const c10d::BroadcastOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(
+    std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const at::Tensor t = single("broadcast", tensors);
   check_root("broadcast", opts.rootRank, getSize());
@@ -474,8 +482,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(std::vector<at::
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(std::vector<at::Tensor>& tensors,
-                                                         const c10d::AllreduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("allreduce", tensors);
   const Reduction r = to_reduction("allreduce", opts.reduceOp, t.scalar_type());
@@ -484,7 +492,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(std::vector<at::
   return enqueue(c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, {}, tensors,
                  [this, t, r, dt, size](std::uint32_t tag, Clock::time_point dl) mutable {
                    apply_scale(t, r.pre_scale);
-                   coll::allreduce(context("allreduce", tag, dl, t), t.data_ptr(), t.numel(), dt, r.op);
+                   coll::allreduce(context("allreduce", tag, dl, t), t.data_ptr(), t.numel(), dt,
+                                   r.op);
                    if (r.average) apply_average(t, size);
                  });
 }
@@ -516,7 +525,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Tensor>& tensors,
-                                                      const c10d::ReduceOptions& opts) {
+                                                             const c10d::ReduceOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("reduce", tensors);
   check_root("reduce", opts.rootRank, getSize());
@@ -530,8 +539,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Ten
                    // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
                    at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
                    apply_scale(buf, r.pre_scale);
-                   coll::reduce(context("reduce", tag, dl, buf), buf.data_ptr(), buf.numel(), dt, r.op,
-                                root);
+                   coll::reduce(context("reduce", tag, dl, buf), buf.data_ptr(), buf.numel(), dt,
+                                r.op, root);
                    if (is_root && r.average) apply_average(buf, size);
                  });
 }
@@ -546,24 +555,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather(
   std::vector<at::Tensor> outs = outputs[0];
   return enqueue(c10d::OpType::ALLGATHER, op, opts.timeout, {in}, outs,
                  [this, in, outs, op](std::uint32_t tag, Clock::time_point dl) {
-                   at::Tensor flat = at::empty({static_cast<int64_t>(outs.size()) * in.numel()},
-                                               in.options());
-                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in), flat.data_ptr());
+                   at::Tensor flat =
+                       at::empty({static_cast<int64_t>(outs.size()) * in.numel()}, in.options());
+                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
+                                   flat.data_ptr());
                    for (std::size_t i = 0; i < outs.size(); ++i) {
                      outs[i].view({-1}).copy_(flat.narrow(0, i * in.numel(), in.numel()));
                    }
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_allgather_base(at::Tensor& output, at::Tensor& input,
-                                                               const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "_allgather_base";
   check_blocks(op, input, "input", output, "output", getSize());
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, op, opts.timeout, {in}, {out},
                  [this, in, out, op](std::uint32_t tag, Clock::time_point dl) {
-                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in), out.data_ptr());
+                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
+                                   out.data_ptr());
                  });
 }
 
@@ -577,20 +588,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_coalesced(
   for (auto& list : outputs) outs.insert(outs.end(), list.begin(), list.end());
   auto ins = inputs;
   auto outlists = outputs;
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
-                 [this, ins, outlists, op](std::uint32_t tag, Clock::time_point dl) {
-                   for (std::size_t i = 0; i < ins.size(); ++i) {
-                     const at::Tensor& in = ins[i];
-                     at::Tensor flat = at::empty({static_cast<int64_t>(outlists.size()) * in.numel()},
-                                                 in.options());
-                     coll::allgather(context(op, tag + i, dl, in), in.data_ptr(), nbytes(in),
-                                     flat.data_ptr());
-                     for (std::size_t r = 0; r < outlists.size(); ++r) {
-                       outlists[r][i].view({-1}).copy_(flat.narrow(0, r * in.numel(), in.numel()));
-                     }
-                   }
-                 },
-                 static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
+  return enqueue(
+      c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
+      [this, ins, outlists, op](std::uint32_t tag, Clock::time_point dl) {
+        for (std::size_t i = 0; i < ins.size(); ++i) {
+          const at::Tensor& in = ins[i];
+          at::Tensor flat =
+              at::empty({static_cast<int64_t>(outlists.size()) * in.numel()}, in.options());
+          coll::allgather(context(op, tag + i, dl, in), in.data_ptr(), nbytes(in), flat.data_ptr());
+          for (std::size_t r = 0; r < outlists.size(); ++r) {
+            outlists[r][i].view({-1}).copy_(flat.narrow(0, r * in.numel(), in.numel()));
+          }
+        }
+      },
+      static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_into_tensor_coalesced(
@@ -601,31 +612,33 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_into_tensor_coal
   c10d_detail::check_blocks_coalesced(op, outputs, inputs, getSize(), /*gather=*/true);
   auto ins = inputs;
   auto outs = outputs;
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
-                 [this, ins, outs, op](std::uint32_t tag, Clock::time_point dl) {
-                   for (std::size_t i = 0; i < ins.size(); ++i) {
-                     coll::allgather(context(op, tag + i, dl, ins[i]), ins[i].data_ptr(), nbytes(ins[i]),
-                                     outs[i].data_ptr());
-                   }
-                 },
-                 static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
+  return enqueue(
+      c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
+      [this, ins, outs, op](std::uint32_t tag, Clock::time_point dl) {
+        for (std::size_t i = 0; i < ins.size(); ++i) {
+          coll::allgather(context(op, tag + i, dl, ins[i]), ins[i].data_ptr(), nbytes(ins[i]),
+                          outs[i].data_ptr());
+        }
+      },
+      static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                      std::vector<at::Tensor>& inputs,
-                                                      const c10d::GatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "gather";
   const at::Tensor in = single(op, inputs);
   check_root(op, opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
-  const std::vector<at::Tensor> outs = root_list(op, outputs, in, getRank() == root, root, getSize(),
-                                                 "output");
+  const std::vector<at::Tensor> outs =
+      root_list(op, outputs, in, getRank() == root, root, getSize(), "output");
   return enqueue(c10d::OpType::GATHER, op, opts.timeout, {in}, outs,
                  [this, in, outs, root, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat;
                    if (!outs.empty()) {
-                     flat = at::empty({static_cast<int64_t>(outs.size()) * in.numel()}, in.options());
+                     flat =
+                         at::empty({static_cast<int64_t>(outs.size()) * in.numel()}, in.options());
                    }
                    coll::gather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
                                 flat.defined() ? flat.data_ptr() : nullptr, root);
@@ -635,16 +648,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(std::vector<std::ve
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(std::vector<at::Tensor>& outputs,
-                                                       std::vector<std::vector<at::Tensor>>& inputs,
-                                                       const c10d::ScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "scatter";
   const at::Tensor out = single(op, outputs);
   check_root(op, opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
-  const std::vector<at::Tensor> ins = root_list(op, inputs, out, getRank() == root, root, getSize(),
-                                                "input");
+  const std::vector<at::Tensor> ins =
+      root_list(op, inputs, out, getRank() == root, root, getSize(), "input");
   return enqueue(c10d::OpType::SCATTER, op, opts.timeout, ins, {out},
                  [this, ins, out, root, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat;
@@ -653,8 +666,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(std::vector<at::Te
                      for (auto& i : ins) parts.push_back(i.reshape({-1}));
                      flat = at::cat(parts);
                    }
-                   coll::scatter(context(op, tag, dl, out), flat.defined() ? flat.data_ptr() : nullptr,
-                                 out.data_ptr(), nbytes(out), root);
+                   coll::scatter(context(op, tag, dl, out),
+                                 flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
+                                 nbytes(out), root);
                  });
 }
 
@@ -699,8 +713,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_reduce_scatter_base(
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, op, opts.timeout, {in}, {out},
                  [this, in, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
                    // The input is not modified: PREMUL_SUM scales a copy.
-                   run_reduce_scatter(context(op, tag, dl, out), r.pre_scale != 1.0 ? in.clone() : in,
-                                      out, r, size);
+                   run_reduce_scatter(context(op, tag, dl, out),
+                                      r.pre_scale != 1.0 ? in.clone() : in, out, r, size);
                  });
 }
 
@@ -715,21 +729,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter_tensor_coal
   auto ins = inputs;
   auto outs = outputs;
   const int size = getSize();
-  return enqueue(torch_compat::kReduceScatterTensorCoalesced, op, opts.timeout, ins, outs,
-                 [this, ins, outs, rs, size, op](std::uint32_t tag, Clock::time_point dl) {
-                   for (std::size_t i = 0; i < ins.size(); ++i) {
-                     run_reduce_scatter(context(op, tag + i, dl, outs[i]),
-                                        rs[i].pre_scale != 1.0 ? ins[i].clone() : ins[i], outs[i],
-                                        rs[i], size);
-                   }
-                 },
-                 static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
+  return enqueue(
+      torch_compat::kReduceScatterTensorCoalesced, op, opts.timeout, ins, outs,
+      [this, ins, outs, rs, size, op](std::uint32_t tag, Clock::time_point dl) {
+        for (std::size_t i = 0; i < ins.size(); ++i) {
+          run_reduce_scatter(context(op, tag + i, dl, outs[i]),
+                             rs[i].pre_scale != 1.0 ? ins[i].clone() : ins[i], outs[i], rs[i],
+                             size);
+        }
+      },
+      static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                             std::vector<int64_t>& outputSplitSizes,
-                                                             std::vector<int64_t>& inputSplitSizes,
-                                                             const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "alltoall_base";
   c10d_detail::check_alltoall_base(op, input, output);
@@ -745,8 +759,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(at::Tensor& 
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::Tensor>& outputs,
-                                                        std::vector<at::Tensor>& inputs,
-                                                        const c10d::AllToAllOptions& opts) {
+                                                               std::vector<at::Tensor>& inputs,
+                                                               const c10d::AllToAllOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   const char* op = "alltoall";
   c10d_detail::check_alltoall(op, outputs, inputs, getSize());
@@ -775,8 +789,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
                      sbuf.narrow(0, static_cast<int64_t>(sd[i]), static_cast<int64_t>(sc[i]))
                          .copy_(byte_view(ins[i]));
                    }
-                   coll::alltoallv(context(op, tag, dl, sbuf), sbuf.data_ptr(), sc.data(), sd.data(),
-                                   rbuf.data_ptr(), rc.data(), rd.data());
+                   coll::alltoallv(context(op, tag, dl, sbuf), sbuf.data_ptr(), sc.data(),
+                                   sd.data(), rbuf.data_ptr(), rc.data(), rd.data());
                    for (std::size_t i = 0; i < outs.size(); ++i) {
                      if (rc[i] == 0) continue;
                      byte_view(outs[i]).copy_(
@@ -790,15 +804,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
 void ProcessGroupUCX::shutdown() { impl_->shutdown(); }
 uint64_t ProcessGroupUCX::getSequenceNumberForGroup() { return impl_->getSequenceNumberForGroup(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,
-                                                    int tag) {
+                                                     int tag) {
   return impl_->send(tensors, dstRank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recv(std::vector<at::Tensor>& tensors, int srcRank,
-                                                    int tag) {
+                                                     int tag) {
   return impl_->recv(tensors, srcRank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recvAnysource(std::vector<at::Tensor>& tensors,
-                                                             int tag) {
+                                                              int tag) {
   return impl_->recvAnysource(tensors, tag);
 }
 void ProcessGroupUCX::startCoalescing() { impl_->startCoalescing(); }
@@ -807,11 +821,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptio
   return impl_->barrier(opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor>& tensors,
-                                                         const c10d::BroadcastOptions& opts) {
+                                                          const c10d::BroadcastOptions& opts) {
   return impl_->broadcast(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor>& tensors,
-                                                         const c10d::AllreduceOptions& opts) {
+                                                          const c10d::AllreduceOptions& opts) {
   return impl_->allreduce(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
@@ -819,7 +833,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
   return impl_->allreduce_coalesced(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& tensors,
-                                                      const c10d::ReduceOptions& opts) {
+                                                       const c10d::ReduceOptions& opts) {
   return impl_->reduce(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
@@ -827,8 +841,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
     const c10d::AllgatherOptions& opts) {
   return impl_->allgather(outputs, inputs, opts);
 }
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(at::Tensor& output, at::Tensor& input,
-                                                               const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   return impl_->_allgather_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
@@ -841,14 +855,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   return impl_->allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                      std::vector<at::Tensor>& inputs,
-                                                      const c10d::GatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
   return impl_->gather(outputs, inputs, opts);
 }
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(std::vector<at::Tensor>& outputs,
-                                                       std::vector<std::vector<at::Tensor>>& inputs,
-                                                       const c10d::ScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
   return impl_->scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
@@ -865,22 +879,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   return impl_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                             std::vector<int64_t>& outputSplitSizes,
-                                                             std::vector<int64_t>& inputSplitSizes,
-                                                             const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
   return impl_->alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>& outputs,
-                                                        std::vector<at::Tensor>& inputs,
-                                                        const c10d::AllToAllOptions& opts) {
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
   return impl_->alltoall(outputs, inputs, opts);
 }
 std::vector<std::int64_t> ProcessGroupUCX::exchange_lanes(
     const std::string& op, const std::vector<at::Tensor>& sends,
     const std::vector<std::vector<std::int64_t>>& send_bytes, const std::vector<at::Tensor>& recvs,
     const std::vector<std::vector<std::int64_t>>& recv_offsets,
-    const std::vector<std::vector<std::int64_t>>& recv_capacity, std::chrono::milliseconds timeout) {
+    const std::vector<std::vector<std::int64_t>>& recv_capacity,
+    std::chrono::milliseconds timeout) {
   return impl_->exchange_lanes(op, sends, send_bytes, recvs, recv_offsets, recv_capacity, timeout);
 }
 

@@ -123,8 +123,9 @@ c10::intrusive_ptr<c10::ivalue::Future> P2PWork::getFuture() {
         w->add(c10::intrusive_ptr<P2PWork>::reclaim_copy(this));
         return future_;
       }
-      future_->setError(to_torch_error(std::make_exception_ptr(Error(
-          Errc::kCanceled, "commux p2p: the process group was shut down before the operation finished"))));
+      future_->setError(to_torch_error(std::make_exception_ptr(
+          Error(Errc::kCanceled,
+                "commux p2p: the process group was shut down before the operation finished"))));
       return future_;
     }
     if (request_.done()) {
@@ -160,10 +161,10 @@ bool P2PWork::poll_future() {
     // the operation itself stays posted (the backend keeps its tensors alive).
     if (f && Clock::now() < posted_ + default_timeout_) return false;
     if (f && !f->completed()) {
-      f->setError(to_torch_error(std::make_exception_ptr(Error(
-          Errc::kTimeout, ErrorSite{p2p_name(retrieveOpType()), {}, {}, {}, {}},
-          "the future timed out after " + std::to_string(default_timeout_.count()) + " ms",
-          /*still_posted=*/true))));
+      f->setError(to_torch_error(std::make_exception_ptr(
+          Error(Errc::kTimeout, ErrorSite{p2p_name(retrieveOpType()), {}, {}, {}, {}},
+                "the future timed out after " + std::to_string(default_timeout_.count()) + " ms",
+                /*still_posted=*/true))));
     }
     return true;
   }

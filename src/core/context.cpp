@@ -17,9 +17,8 @@ namespace commux {
 bool RuntimeInfo::supports(MemoryType m) const {
   if (m == MemoryType::kHost || m == MemoryType::kUnknown) return true;
   const ucs_memory_type_t u = detail::to_ucs(m);
-  return u != UCS_MEMORY_TYPE_LAST &&
-         std::find(memory_types.begin(), memory_types.end(), ucs_memory_type_names[u]) !=
-             memory_types.end();
+  return u != UCS_MEMORY_TYPE_LAST && std::find(memory_types.begin(), memory_types.end(),
+                                                ucs_memory_type_names[u]) != memory_types.end();
 }
 
 }  // namespace commux

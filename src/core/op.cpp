@@ -43,8 +43,8 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
     const MemoryType m = buffers[i].mem;
     if (!info_.supports(m)) {
       throw Error(Errc::kUnsupported, ErrorSite{name, peer, {}, {}, std::to_string(options_.group)},
-                  "buffer " + std::to_string(i) + " is " +
-                      memory_type_name(m) + " memory, but the UCX in use (" + info_.ucx_version +
+                  "buffer " + std::to_string(i) + " is " + memory_type_name(m) +
+                      " memory, but the UCX in use (" + info_.ucx_version +
                       ") does not support it; build commux against a UCX with that transport "
                       "(e.g. COMMUX_UCX_PROVIDER=wheel with libucx-cu13 for CUDA)");
     }
