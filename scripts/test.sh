@@ -5,7 +5,7 @@
 #   lint         ruff check (pyproject.toml), clang-format over the C/C++ files (scripts/format.sh
 #                --check lists the files that differ), the layering rules (scripts/check_layers.py
 #                and its self-test), shellcheck on the shell scripts
-#   cpp          the C++ suites, UCX from the libucx-cu13 wheel (UCX 1.22)
+#   cpp          the C++ suites, UCX from the libucx-cu13 wheel (UCX 1.22), the torch adapter built too
 #   cpp-system   the C++ suites, UCX from the system (Debian libucx-dev, UCX 1.13)
 #   asan         the C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer
 #   tsan         the threaded C++ tests under ThreadSanitizer (threads-as-ranks collectives,
@@ -61,8 +61,9 @@ stage_lint() {
 }
 
 stage_cpp() {
-  echo "== C++ tests, UCX from the libucx-cu13 wheel"
-  scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
+  echo "== C++ tests, UCX from the libucx-cu13 wheel (with the torch adapter: its argument checks'"
+  echo "   GoogleTest, test_tensor_checks, needs it)"
+  scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel -DCOMMUX_BUILD_C10D=ON
   run_ctest build
 }
 
