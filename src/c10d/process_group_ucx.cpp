@@ -822,6 +822,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() { return impl_->
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptions& opts) {
   return impl_->barrier(opts);
 }
+void ProcessGroupUCX::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  impl_->monitoredBarrier(opts, wait_all_ranks);
+}
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   return impl_->broadcast(tensors, opts);
