@@ -52,6 +52,7 @@ def _monitored(ctx):
     first_ref = dist.new_group(world, timeout=pg_timeout, backend="gloo")
     every_ref = dist.new_group(world, timeout=pg_timeout, backend="gloo")
     timed = dist.new_group(world, timeout=timedelta(seconds=BARRIER_TIMEOUT))
+    timed_wait = dist.new_group(world, timeout=timedelta(seconds=BARRIER_TIMEOUT))
     out = {}
     # All ranks arrive: it passes, twice, around a collective, and with wait_all_ranks.
     ok.monitored_barrier(timedelta(seconds=30))
@@ -71,6 +72,9 @@ def _monitored(ctx):
     elif ctx.rank == 0:
         try:
             out["barrier"] = expect_raises(lambda: dist.barrier(group=timed))
+            # Work.wait(timeout) shorter than the group's: the Work's own timeout
+            work = dist.barrier(group=timed_wait, async_op=True)
+            out["wait"] = expect_raises(lambda: work.wait(timeout=timedelta(seconds=1)))
         finally:
             touch(flag)
     return out
@@ -123,14 +127,15 @@ def test_arrived_ranks_fail_too(monitored_run, case):
             assert r["s"] < PG_TIMEOUT - 2, f"rank {rank} raised after {r['s']:.1f}s: {r['msg']}"
 
 
-def test_timed_out_barrier_says_timed_out(monitored_run):
+@pytest.mark.parametrize("key", ["barrier", "wait"])
+def test_timed_out_barrier_says_timed_out(monitored_run, key):
     """torch's test_barrier_timeout_full_group matches " (Timed out|closed|timeout) "."""
-    r = monitored_run[0]["barrier"]
-    assert r["raised"], "a barrier rank 1 never joined returned"
-    assert " Timed out " in r["msg"], r["msg"]
+    r = monitored_run[0][key]
+    assert r["raised"], f"a barrier the other ranks never joined returned ({key})"
+    assert " Timed out " in r["msg"] or (BACKEND == "gloo" and key == "wait"), r["msg"]
 
 
-@pytest.mark.parametrize("key", ["first", "every", "barrier"])
+@pytest.mark.parametrize("key", ["first", "every", "barrier", "wait"])
 def test_errors_carry_no_cpp_stack_trace(monitored_run, key):
     msg = monitored_run[0][key]["msg"]
     assert not any(m in msg for m in STACK_MARKERS), msg

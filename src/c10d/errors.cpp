@@ -8,21 +8,21 @@ namespace commux::c10d_detail {
 
 namespace {
 
-// "Timed out" in a timeout's message, once: the core's waits already say "Timed out after ..."
-// (src/core/op.cpp); other timeouts (a Work's wait, a future, the init store lookup) get it after
-// their "commux <op>: " prefix.
+// " Timed out " in a timeout's message (torch's tests match " (Timed out|closed|timeout) "), once:
+// the core's waits already say "Timed out after ..." (src/core/op.cpp); other timeouts (a Work's
+// own wait, a future, the init store lookup) get "Timed out - " after their "commux <op>: ".
 std::string timeout_message(const Error& err) {
   std::string msg = err.what();
-  if (msg.find("Timed out") != std::string::npos) return msg;
+  if (msg.find("Timed out ") != std::string::npos) return msg;
   if (!err.op().empty()) {
-    return Error(err.code(), err.site(), "Timed out: " + err.reason(), err.still_posted()).what();
+    return Error(err.code(), err.site(), "Timed out - " + err.reason(), err.still_posted()).what();
   }
   const std::string prefix = "commux ";
   const std::size_t colon = msg.find(": ");
   if (msg.compare(0, prefix.size(), prefix) == 0 && colon != std::string::npos) {
-    return msg.insert(colon + 2, "Timed out: ");
+    return msg.insert(colon + 2, "Timed out - ");
   }
-  return "Timed out: " + msg;
+  return "Timed out - " + msg;
 }
 
 }  // namespace
