@@ -289,7 +289,7 @@ void LoopbackWorld::wait(Op& op, std::chrono::milliseconds timeout) {
   if (!op.deadlock.empty()) {
     throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": " + op.deadlock);
   }
-  throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": timed out after " +
+  throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": Timed out after " +
                                   std::to_string(timeout.count()) + " ms (" + describe(op) + ")");
 }
 

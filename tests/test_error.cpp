@@ -16,7 +16,7 @@ bool has(const std::string& s, const std::string& part) {
 
 TEST(Error, FieldsAndComposedMessage) {
   const Error e(Errc::kTimeout, ErrorSite{"irecv", 0, 77, 1024, "3"},
-                "timed out after 300 ms (from peer 0, tag 77, 1024 bytes, group 3, rank 1 of 2)");
+                "Timed out after 300 ms (from peer 0, tag 77, 1024 bytes, group 3, rank 1 of 2)");
   EXPECT_EQ(e.code(), Errc::kTimeout);
   EXPECT_EQ(e.op(), "irecv");
   ASSERT_TRUE(e.peer().has_value());
@@ -29,25 +29,25 @@ TEST(Error, FieldsAndComposedMessage) {
   EXPECT_FALSE(e.still_posted());
   EXPECT_EQ(
       std::string(e.what()),
-      "commux irecv: timed out after 300 ms (from peer 0, tag 77, 1024 bytes, group 3, rank 1 "
+      "commux irecv: Timed out after 300 ms (from peer 0, tag 77, 1024 bytes, group 3, rank 1 "
       "of 2)");
   EXPECT_EQ(e.describe(), "irecv: " + e.reason());
 }
 
 TEST(Error, StillPostedIsAFieldAndItsNote) {
-  const Error e(Errc::kTimeout, ErrorSite{"isend", 1, 5, 8, "0"}, "timed out after 10 ms");
+  const Error e(Errc::kTimeout, ErrorSite{"isend", 1, 5, 8, "0"}, "Timed out after 10 ms");
   const Error posted = e.with_still_posted(true);
   EXPECT_TRUE(posted.still_posted());
   EXPECT_EQ(std::string(posted.what()),
-            "commux isend: timed out after 10 ms; the operation is still posted: wait again or "
+            "commux isend: Timed out after 10 ms; the operation is still posted: wait again or "
             "cancel it");
   // The fields and the reason are those of the original: the note is not part of the reason.
-  EXPECT_EQ(posted.reason(), "timed out after 10 ms");
+  EXPECT_EQ(posted.reason(), "Timed out after 10 ms");
   EXPECT_EQ(posted.op(), "isend");
   EXPECT_EQ(*posted.peer(), 1);
   const Error again = posted.with_still_posted(false);
   EXPECT_FALSE(again.still_posted());
-  EXPECT_EQ(std::string(again.what()), "commux isend: timed out after 10 ms");
+  EXPECT_EQ(std::string(again.what()), "commux isend: Timed out after 10 ms");
 }
 
 // What a collective does with a timed-out receive (Exchange::rethrow): it names itself, keeps the
@@ -55,13 +55,13 @@ TEST(Error, StillPostedIsAFieldAndItsNote) {
 // whatever its text is: before, the collective stripped the literal note from what().
 TEST(Error, WrappingKeepsFieldsAndDropsTheNote) {
   const Error inner =
-      Error(Errc::kTimeout, ErrorSite{"irecv", 2, 7, 64, "1"}, "timed out after 5 ms")
+      Error(Errc::kTimeout, ErrorSite{"irecv", 2, 7, 64, "1"}, "Timed out after 5 ms")
           .with_still_posted(true);
   ErrorSite site = inner.site();
   site.op = "allreduce";
   const Error outer(inner.code(), site, inner.describe() + " [ring reduce-scatter]");
   EXPECT_EQ(std::string(outer.what()),
-            "commux allreduce: irecv: timed out after 5 ms [ring reduce-scatter]");
+            "commux allreduce: irecv: Timed out after 5 ms [ring reduce-scatter]");
   EXPECT_FALSE(has(outer.what(), "still posted"));
   EXPECT_FALSE(outer.still_posted());
   EXPECT_EQ(*outer.peer(), 2);

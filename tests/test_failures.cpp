@@ -79,7 +79,7 @@ TEST(Failures, TimeoutThenCancel) {
       const auto waited = Clock::now() - t0;
       CX_CHECK(waited >= std::chrono::milliseconds(300));
       CX_CHECK(waited < std::chrono::seconds(5));
-      CX_CHECK_HAS(msg, "commux irecv: timed out after 300 ms");
+      CX_CHECK_HAS(msg, "commux irecv: Timed out after 300 ms");
       CX_CHECK_HAS(msg, "peer 0");
       CX_CHECK_HAS(msg, "tag 77");
       CX_CHECK_HAS(msg, "1024 bytes");

@@ -74,6 +74,15 @@ class ProcessGroupUCX : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // A blocking barrier that names the ranks that did not arrive, as Gloo's: every rank but 0
+  // reports to rank 0 and waits for its answer; rank 0 waits until opts.timeout (0: the group's)
+  // and raises DistBackendError "[Rank 0]: Rank 1 failed to pass monitoredBarrier in <T> ms"
+  // naming the first missing rank, or "Ranks 1, 3 ..." every missing one when wait_all_ranks.
+  // The ranks that arrived then fail too. (torch's dist.monitored_barrier() accepts gloo groups
+  // only; call it on the group: pg.monitored_barrier(timeout, wait_all_ranks).) Its messages take
+  // internal tags from the group's collective sequence: every rank calls it in the same order
+  // relative to the group's collectives.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks = false) override;
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,

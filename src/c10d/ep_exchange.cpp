@@ -17,6 +17,7 @@
 #include "commux/process_group_ucx.hpp"
 #include "../core/channel.hpp"
 #include "device.hpp"
+#include "errors.hpp"
 #include "process_group_ucx_internal.hpp"
 #include "work.hpp"
 
@@ -31,7 +32,7 @@ using c10d_detail::StreamFence;
 namespace {
 
 [[noreturn]] void bad(const std::string& op, const std::string& what) {
-  C10_THROW_ERROR(ValueError, "commux " + op + ": " + what);
+  c10d_detail::throw_value_error("commux " + op + ": " + what);
 }
 
 std::int64_t checked_total(const std::string& op, const std::vector<std::int64_t>& bytes,
@@ -181,7 +182,7 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
         if (!p.is_send) received[p.peer] = static_cast<std::int64_t>(p.request.bytes());
       } catch (const Error& err) {
         if (err.code() == Errc::kTimeout) {
-          throw Error(Errc::kTimeout, std::string("timed out after ") +
+          throw Error(Errc::kTimeout, std::string("Timed out after ") +
                                           std::to_string(limit.count()) + " ms waiting for the " +
                                           (p.is_send ? "send to" : "message from") + " rank " +
                                           std::to_string(p.peer) +
@@ -213,9 +214,9 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
     } catch (const Error& err) {
       const std::string msg = "commux " + op + " (" + where() + "): " + err.what();
       if (err.code() == Errc::kInvalidArgument || err.code() == Errc::kUnsupported) {
-        C10_THROW_ERROR(ValueError, msg);
+        c10d_detail::throw_value_error(msg);
       }
-      C10_THROW_ERROR(DistBackendError, msg);
+      c10d_detail::throw_backend_error(msg);
     }
   }
   return received;

@@ -9,6 +9,8 @@
 #include <numeric>
 #include <string>
 
+#include "errors.hpp"
+
 namespace commux::ep {
 
 namespace {
@@ -22,7 +24,7 @@ bool loops(const c10::Device& d) {
 }
 
 [[noreturn]] void bad(const std::string& what) {
-  C10_THROW_ERROR(ValueError, "commux ep: " + what);
+  c10d_detail::throw_value_error("commux ep: " + what);
 }
 
 // Bytes of one row (dimension 0) of a tensor, whatever its dtype and rank.

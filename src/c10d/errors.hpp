@@ -12,9 +12,19 @@ namespace commux::c10d_detail {
 
 // Converts a commux::Error (or anything else) into the exception torch users expect:
 // invalid input and unsupported memory -> c10::ValueError (Python ValueError), the rest ->
-// c10::DistBackendError. Anything that is not a commux::Error passes through unchanged.
+// c10::DistBackendError. A timeout's message says "Timed out" (torch's own tests and users grep
+// " Timed out "). Anything that is not a commux::Error passes through unchanged.
 std::exception_ptr to_torch_error(std::exception_ptr e);
 [[noreturn]] void throw_torch_error(std::exception_ptr e);
+
+// Throw c10::ValueError / c10::DistBackendError whose what() is `message` alone: no C++ source
+// location and no backtrace ("Exception raised from ...", "frame #0 ...") in what users read.
+// Every error the backend raises for its users is made by these.
+[[noreturn]] void throw_value_error(const std::string& message);
+[[noreturn]] void throw_backend_error(const std::string& message);
+// The message of the exception being handled, without c10's backtrace (for a message that quotes
+// another error: a c10::Error's what() carries the backtrace).
+std::string current_message();
 
 // While alive, invalid() on this thread names this group. A ProcessGroupUCX entry point opens one
 // before it validates its arguments; they nest (the innermost wins). Costs two stores: the label

@@ -64,11 +64,13 @@ class C10dStore final : public Store {
                                 std::chrono::milliseconds timeout) override {
     try {
       store_->wait({key}, timeout);
-    } catch (const std::exception& e) {
+    } catch (const std::exception&) {
+      // The store's own message, without the C++ backtrace a c10::Error's what() carries.
       throw Error(Errc::kTimeout,
                   "commux init: key '" + key + "' did not appear in the store within " +
                       std::to_string(timeout.count()) +
-                      " ms (has every rank called init_process_group / new_group?): " + e.what());
+                      " ms (has every rank called init_process_group / new_group?): " +
+                      c10d_detail::current_message());
     }
     return store_->get(key);
   }
@@ -819,6 +821,9 @@ void ProcessGroupUCX::startCoalescing() { impl_->startCoalescing(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() { return impl_->endCoalescing(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptions& opts) {
   return impl_->barrier(opts);
+}
+void ProcessGroupUCX::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  impl_->monitoredBarrier(opts, wait_all_ranks);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {

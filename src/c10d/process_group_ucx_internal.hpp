@@ -52,6 +52,8 @@ struct ProcessGroupUCX::Impl {
   void startCoalescing();
   c10::intrusive_ptr<c10d::Work> endCoalescing();
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts);
+  void monitoredBarrier(const c10d::BarrierOptions& opts,
+                        bool wait_all_ranks);  // monitored_barrier.cpp
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts);
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,

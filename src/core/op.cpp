@@ -308,7 +308,7 @@ void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
   }
   throw Error(Errc::kTimeout,
               ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
-              "timed out after " + std::to_string(timeout.count()) + " ms (" + d + ")");
+              "Timed out after " + std::to_string(timeout.count()) + " ms (" + d + ")");
 }
 
 void Engine::cancel(Op& op) {
