@@ -34,12 +34,18 @@ class FutureWatcher {
   void stop();
 
  private:
-  void watch(c10::intrusive_ptr<P2PWork> work, bool maybe_watched);
+  struct Entry {
+    c10::intrusive_ptr<P2PWork> work;
+    bool future = false;  // someone asked for its future: complete it promptly
+  };
+  void watch(c10::intrusive_ptr<P2PWork> work, bool future);
   void loop();
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<c10::intrusive_ptr<P2PWork>> watched_;
-  bool stopping_ = false;
+  std::vector<Entry> watched_;  // [mu_]
+  int futures_ = 0;             // [mu_] entries with future == true
+  bool asleep_ = false;         // [mu_] the thread waits for watch() with nothing watched
+  bool stopping_ = false;       // [mu_]
   std::thread thread_;
 };
 
