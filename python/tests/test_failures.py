@@ -137,6 +137,17 @@ def test_work_wait_timeout_is_honoured():
     assert 0.7 <= r["s"] <= 2.5, f"wait(timeout=1s) raised after {r['s']:.2f}s: {r['type']}: {r['msg']}"
 
 
+@pytest.mark.ucx_semantics
+@pytest.mark.parametrize("which", ["wait", "recv", "future"])
+def test_timed_out_p2p_is_cancelled(which):
+    """A timed-out p2p operation is cancelled (it cannot take a later message), and says so."""
+    outs, _ = recv_timeout_run()
+    assert outs[0].ok, _describe(outs)
+    r = outs[0].value[which]
+    assert r["raised"]
+    assert "was cancelled" in r["msg"], f"the {which} timeout does not say it was cancelled: {r['msg']!r}"
+
+
 def test_exit_after_timeouts_does_not_hang():
     _, closed = recv_timeout_run()
     assert_all_exited(closed)

@@ -205,9 +205,7 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
       p.request.cancel();
       auto w = c10::make_intrusive<P2PWork>(me, p.is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
                                             p.request, all, timeout_);
-      std::lock_guard<std::mutex> lk(mu_);
-      reap_locked();
-      inflight_.push_back(w);
+      keep_until_done(w);
     }
     try {
       throw;

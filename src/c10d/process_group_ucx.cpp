@@ -191,8 +191,6 @@ void ProcessGroupUCX::Impl::shutdown() {
         Error(Errc::kCanceled, std::string("commux ") + t->op_name + ": the process group (" +
                                    where() + ") was shut down before the operation ran")));
   }
-  std::lock_guard<std::mutex> lk(mu_);
-  inflight_.clear();  // everything was cancelled and completed by comm_->shutdown()
 }
 
 uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
@@ -333,13 +331,6 @@ coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t 
 
 // --- point-to-point -----------------------------------------------------------------------------
 
-void ProcessGroupUCX::Impl::reap_locked() {
-  while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
-  if (inflight_.size() > 256) {
-    inflight_.remove_if([](const c10::intrusive_ptr<P2PWork>& w) { return w->done(); });
-  }
-}
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::post_p2p(c10d::OpType type,
                                                                const char* op_name,
                                                                std::vector<at::Tensor>& tensors,
@@ -390,14 +381,16 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }
-  auto w = c10::make_intrusive<P2PWork>(getRank(), type, std::move(r), tensors, timeout_);
-  if (!w->done()) {
-    w->set_watcher(watcher_);
-    std::lock_guard<std::mutex> lk(mu_);
-    reap_locked();
-    inflight_.push_back(w);
-  }
+  auto w = c10::make_intrusive<P2PWork>(getRank(), type, std::move(r), tensors, timeout_,
+                                        comm_->options().shutdown_timeout);
+  keep_until_done(w);
   return w;
+}
+
+void ProcessGroupUCX::Impl::keep_until_done(const c10::intrusive_ptr<P2PWork>& w) {
+  if (w->done()) return;
+  w->set_watcher(watcher_);
+  watcher_->track(w);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::send(std::vector<at::Tensor>& tensors,

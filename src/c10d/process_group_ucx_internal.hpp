@@ -16,7 +16,6 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -114,6 +113,8 @@ struct ProcessGroupUCX::Impl {
   c10::intrusive_ptr<c10d_detail::P2PWork> post_now(c10d::OpType type,
                                                     const std::vector<at::Tensor>& tensors,
                                                     int peer, int tag);
+  // Unfinished p2p Works (tensors included) stay with the watcher until their request finishes.
+  void keep_until_done(const c10::intrusive_ptr<c10d_detail::P2PWork>& w);
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
   // The collectives' context for tensors like `like` (its memory type; on a device, the backend's
   // DeviceOps for it). An undefined `like` means host memory.
@@ -122,7 +123,6 @@ struct ProcessGroupUCX::Impl {
   void run(c10d_detail::Task& task);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   void worker_loop();
-  void reap_locked();
   std::string where() const;
 
   int rank_;
@@ -140,14 +140,13 @@ struct ProcessGroupUCX::Impl {
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;
   std::uint64_t collectives_issued_ = 0;
-  // In-flight work the backend keeps alive (and its tensors) until it completes.
-  std::list<c10::intrusive_ptr<c10d_detail::P2PWork>> inflight_;
   // The worker thread's streams and DeviceOps per device (device tensors).
   std::unique_ptr<c10d_detail::DeviceStreams> streams_;
   bool aten_on_cpu_ = false;  // COMMUX_ATEN_REDUCE=1
   std::atomic<std::uint64_t> device_ops_calls_{0};
   std::thread worker_;
-  // Completes the futures of p2p Works (shared with the Works through weak_ptrs).
+  // Keeps unfinished p2p Works alive and completes their futures (shared with the Works through
+  // weak_ptrs).
   std::shared_ptr<c10d_detail::FutureWatcher> watcher_;
   bool shut_down_ = false;
 

@@ -10,44 +10,115 @@
 
 namespace commux::c10d_detail {
 
-void FutureWatcher::add(c10::intrusive_ptr<P2PWork> work) {
-  std::lock_guard<std::mutex> lk(mu_);
+namespace {
+// A Work kept only to release it (no future asked for) is checked this often: the user's wait()
+// releases it at once, so this only bounds how long a Work the user dropped keeps its tensors.
+// Slow on purpose: the posting thread never wakes this one (on a 2-core machine a wake-up per
+// operation costs more than the operation).
+constexpr auto kReleasePeriod = std::chrono::milliseconds(10);
+// Nothing watched for this long: the thread sleeps until the next Work (one wake-up then).
+constexpr auto kIdleBeforeSleep = std::chrono::seconds(1);
+}  // namespace
+
+void FutureWatcher::track(c10::intrusive_ptr<P2PWork> work) { watch(std::move(work), false); }
+
+void FutureWatcher::add(c10::intrusive_ptr<P2PWork> work) { watch(std::move(work), true); }
+
+void FutureWatcher::watch(c10::intrusive_ptr<P2PWork> work, bool future) {
+  std::unique_lock<std::mutex> lk(mu_);
   if (stopping_) {
+    lk.unlock();
     work->poll_future();
     return;
   }
-  watched_.push_back(std::move(work));
+  auto it = std::find_if(watched_.begin(), watched_.end(),
+                         [&](const Entry& e) { return e.work == work; });
+  if (it == watched_.end()) {
+    watched_.push_back(Entry{std::move(work), future});
+    futures_ += future ? 1 : 0;
+  } else if (future && !it->future) {
+    it->future = true;
+    ++futures_;
+  } else {
+    return;
+  }
   if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  // Wake the thread only where it matters: a future to complete promptly, or a thread asleep
+  // with nothing watched. A plain p2p post does not wake it otherwise.
+  const bool wake = future || asleep_;
+  lk.unlock();
+  if (wake) cv_.notify_one();
+}
+
+bool FutureWatcher::release(P2PWork* work) {
+  // Settles a future first (outside the lock: its callbacks may post more operations).
+  if (!work->poll_future()) return false;
+  c10::intrusive_ptr<P2PWork> gone;  // the caller holds `work`: nothing is destroyed here
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = std::find_if(watched_.begin(), watched_.end(),
+                         [&](const Entry& e) { return e.work.get() == work; });
+  if (it == watched_.end()) return true;
+  futures_ -= it->future ? 1 : 0;
+  gone = std::move(it->work);
+  watched_.erase(it);
+  return true;
 }
 
 void FutureWatcher::loop() {
-  // Polls with a backoff (20 us .. 2 ms): futures of p2p Works are rare (batch_isend_irecv
-  // callers wait()), so this thread exists only once someone asked for one.
-  auto idle = std::chrono::microseconds(20);
+  // With futures to complete: polls with a backoff (20 us .. 2 ms). With only Works to release:
+  // every kReleasePeriod. With nothing for kIdleBeforeSleep: asleep until watch() wakes it.
+  auto backoff = std::chrono::microseconds(20);
+  auto empty_since = std::chrono::steady_clock::now();
   for (;;) {
     std::vector<c10::intrusive_ptr<P2PWork>> batch;
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::unique_lock<std::mutex> lk(mu_);
+      if (futures_ == 0) {
+        if (watched_.empty() &&
+            std::chrono::steady_clock::now() - empty_since >= kIdleBeforeSleep) {
+          asleep_ = true;
+          cv_.wait(lk, [&] { return stopping_ || !watched_.empty(); });
+          asleep_ = false;
+          empty_since = std::chrono::steady_clock::now();
+        } else {
+          cv_.wait_for(lk, kReleasePeriod, [&] { return stopping_ || futures_ > 0; });
+        }
+      }
       if (stopping_) return;
-      batch = watched_;
+      if (watched_.empty()) continue;
+      batch.reserve(watched_.size());
+      for (const Entry& e : watched_) batch.push_back(e.work);
     }
     std::vector<P2PWork*> settled;
     for (auto& p : batch) {
       if (p->poll_future()) settled.push_back(p.get());
     }
-    if (!settled.empty()) {
-      std::lock_guard<std::mutex> lk(mu_);
-      watched_.erase(std::remove_if(watched_.begin(), watched_.end(),
-                                    [&](const c10::intrusive_ptr<P2PWork>& p) {
-                                      return std::find(settled.begin(), settled.end(), p.get()) !=
-                                             settled.end();
-                                    }),
-                     watched_.end());
-      idle = std::chrono::microseconds(20);
-    } else {
-      idle = std::min(idle * 2, std::chrono::microseconds(2000));
+    bool futures_left = false;
+    {
+      std::vector<c10::intrusive_ptr<P2PWork>> gone;  // destroyed outside the lock
+      std::unique_lock<std::mutex> lk(mu_);
+      if (!settled.empty()) {
+        auto keep = std::stable_partition(watched_.begin(), watched_.end(), [&](const Entry& e) {
+          return std::find(settled.begin(), settled.end(), e.work.get()) == settled.end();
+        });
+        for (auto i = keep; i != watched_.end(); ++i) {
+          futures_ -= i->future ? 1 : 0;
+          gone.push_back(std::move(i->work));
+        }
+        watched_.erase(keep, watched_.end());
+      }
+      if (watched_.empty()) empty_since = std::chrono::steady_clock::now();
+      futures_left = futures_ > 0;
+      lk.unlock();
     }
-    std::this_thread::sleep_for(idle);
+    batch.clear();  // the last references to released Works go before the sleep
+    if (!futures_left) {
+      backoff = std::chrono::microseconds(20);
+      continue;
+    }
+    backoff = settled.empty() ? std::min(backoff * 2, std::chrono::microseconds(2000))
+                              : std::chrono::microseconds(20);
+    std::this_thread::sleep_for(backoff);
   }
 }
 
@@ -56,11 +127,15 @@ void FutureWatcher::stop() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stopping_ = true;
-    left.swap(watched_);
+    for (Entry& e : watched_) left.push_back(std::move(e.work));
+    watched_.clear();
+    futures_ = 0;
   }
+  cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   for (auto& p : left) {
     if (!p->poll_future()) {
+      std::lock_guard<std::mutex> settling(p->settle_mu_);
       std::lock_guard<std::mutex> lk(p->future_mu_);
       if (p->future_ && !p->future_->completed()) {
         p->future_->setError(to_torch_error(std::make_exception_ptr(

@@ -84,14 +84,19 @@ bool CollWork::wait(std::chrono::milliseconds timeout) {
 // --- P2PWork ---------------------------------------------------------------------------------
 
 P2PWork::P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::Tensor> tensors,
-                 std::chrono::milliseconds default_timeout)
+                 std::chrono::milliseconds default_timeout, std::chrono::milliseconds cancel_bound)
     : c10d::Work(rank, type),
       request_(std::move(request)),
       tensors_(std::move(tensors)),
       default_timeout_(default_timeout),
+      cancel_bound_(cancel_bound),
       posted_(Clock::now()) {}
 
-bool P2PWork::isCompleted() { return request_.done() || request_.test(); }
+bool P2PWork::isCompleted() {
+  if (!request_.done() && !request_.test()) return false;
+  release();
+  return true;
+}
 
 bool P2PWork::isSuccess() const { return request_.done() && !request_.error(); }
 
@@ -105,12 +110,81 @@ int P2PWork::sourceRank() const {
   return request_.source();
 }
 
+namespace {
+bool is_canceled(const std::exception_ptr& e) {
+  if (!e) return false;
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& err) {
+    return err.code() == Errc::kCanceled;
+  } catch (...) {
+    return false;
+  }
+}
+
+// What a timed-out p2p operation became after the cancellation was asked for: nullptr when it
+// matched after all (a success), else the error to report.
+std::exception_ptr after_cancel(const Request& r, const Error& timeout,
+                                std::chrono::milliseconds bound) {
+  if (!r.done()) {
+    return std::make_exception_ptr(Error(
+        Errc::kTimeout, timeout.site(),
+        timeout.reason() + "; cancelling it did not finish within " +
+            std::to_string(bound.count()) +
+            " ms, so it stays posted (the process group keeps its tensors alive until it finishes "
+            "or the group is shut down)",
+        /*still_posted=*/true));
+  }
+  auto e = r.error();
+  if (!e) return nullptr;
+  if (is_canceled(e)) {
+    return std::make_exception_ptr(
+        Error(Errc::kTimeout, timeout.site(),
+              timeout.reason() + "; the operation was cancelled: it will not take a later message "
+                                 "(post a new one to receive or send it)"));
+  }
+  return e;  // it failed by itself meanwhile: that is the outcome
+}
+}  // namespace
+
+void P2PWork::cancel_after_timeout(const Error& timeout) {
+  {
+    std::lock_guard<std::mutex> lk(future_mu_);
+    if (timeout_reason_.empty()) timeout_reason_ = timeout.reason();
+  }
+  cancel_asked_.store(true);
+  request_.cancel();
+  try {
+    request_.wait(cancel_bound_);
+  } catch (...) {
+    // Read below: still posted, cancelled, or failed by itself.
+  }
+  if (auto e = after_cancel(request_, timeout, cancel_bound_)) {
+    if (request_.done()) release();
+    throw_torch_error(e);
+  }
+}
+
+void P2PWork::release() {
+  if (released_.load(std::memory_order_acquire)) return;
+  auto w = watcher_.lock();
+  if (!w || w->release(this)) released_.store(true, std::memory_order_release);
+}
+
 bool P2PWork::wait(std::chrono::milliseconds timeout) {
   try {
     request_.wait(timeout.count() > 0 ? timeout : default_timeout_);
+  } catch (const Error& e) {
+    if (e.code() == Errc::kTimeout && !request_.done()) {
+      cancel_after_timeout(e);  // returns when it matched while being cancelled
+    } else {
+      release();
+      throw_torch_error(std::current_exception());
+    }
   } catch (...) {
     throw_torch_error(std::current_exception());
   }
+  release();
   return true;
 }
 
@@ -128,12 +202,10 @@ c10::intrusive_ptr<c10::ivalue::Future> P2PWork::getFuture() {
                 "commux p2p: the process group was shut down before the operation finished"))));
       return future_;
     }
-    if (request_.done()) {
-      if (auto e = request_.error()) {
-        future_->setError(to_torch_error(e));
-      } else {
-        future_->markCompleted(c10::IValue(tensors_));
-      }
+    if (auto e = request_.error()) {
+      future_->setError(to_torch_error(e));
+    } else {
+      future_->markCompleted(c10::IValue(tensors_));
     }
   }
   return future_;
@@ -151,31 +223,55 @@ const char* p2p_name(c10d::OpType t) {
 }  // namespace
 
 bool P2PWork::poll_future() {
+  // One settler at a time (the watcher, a waiter releasing the Work); a future callback that
+  // comes back here on the same Work finds the lock taken and leaves it to the settler.
+  std::unique_lock<std::mutex> settling(settle_mu_, std::try_to_lock);
+  if (!settling.owns_lock()) return false;
   c10::intrusive_ptr<c10::ivalue::Future> f;
   {
     std::lock_guard<std::mutex> lk(future_mu_);
     f = future_;
   }
-  if (!request_.done() && !request_.test()) {
-    // Like wait(), the future does not outlive the group timeout: it fails, naming the op, while
-    // the operation itself stays posted (the backend keeps its tensors alive).
-    if (f && Clock::now() < posted_ + default_timeout_) return false;
-    if (f && !f->completed()) {
-      f->setError(to_torch_error(std::make_exception_ptr(
-          Error(Errc::kTimeout, ErrorSite{p2p_name(retrieveOpType()), {}, {}, {}, {}},
-                "the future timed out after " + std::to_string(default_timeout_.count()) + " ms",
-                /*still_posted=*/true))));
+  const bool pending = f && !f->completed();
+  // Without a pending future, only whether it finished matters (the core's progress thread
+  // drives it); with one, drive progress too, as the future's waiter would.
+  if (!request_.done() && !(pending && request_.test())) {
+    if (!pending) return false;
+    // Like wait(), the future does not outlive the group timeout: the operation is cancelled,
+    // and the future settles once the cancellation has finished (or could not).
+    const auto timeout_at = posted_ + default_timeout_;
+    const auto now = Clock::now();
+    if (now < timeout_at) return false;
+    if (!cancel_asked_.exchange(true)) {
+      {
+        std::lock_guard<std::mutex> lk(future_mu_);
+        if (timeout_reason_.empty()) {
+          timeout_reason_ =
+              "the future timed out after " + std::to_string(default_timeout_.count()) + " ms";
+        }
+      }
+      request_.cancel();
     }
-    return true;
+    if (now < timeout_at + cancel_bound_) return false;
+    f->setError(to_torch_error(after_cancel(request_, timeout_error(), cancel_bound_)));
+    return false;  // still posted: the backend keeps it until it finishes
   }
-  if (f && !f->completed()) {
-    if (auto e = request_.error()) {
+  if (pending) {
+    auto e = request_.error();
+    if (e && cancel_asked_.load()) e = after_cancel(request_, timeout_error(), cancel_bound_);
+    if (e) {
       f->setError(to_torch_error(e));
     } else {
       f->markCompleted(c10::IValue(tensors_));
     }
   }
   return true;
+}
+
+Error P2PWork::timeout_error() {
+  std::lock_guard<std::mutex> lk(future_mu_);
+  return Error(Errc::kTimeout, ErrorSite{p2p_name(retrieveOpType()), {}, {}, {}, {}},
+               timeout_reason_.empty() ? std::string("timed out") : timeout_reason_);
 }
 
 // --- DeferredWork ------------------------------------------------------------------------------

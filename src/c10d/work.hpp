@@ -1,9 +1,12 @@
 // src/c10d/work.hpp -- the c10d::Work types of the "ucx" backend (internal).
 //
 // Who owns what:
-//   * P2PWork holds the commux::Request and the tensors it reads or writes. The backend keeps every
-//     P2PWork in its in-flight list until the request completes, so dropping the Python Work early
-//     never frees a buffer UCX is still using.
+//   * P2PWork holds the commux::Request and the tensors it reads or writes. The backend's
+//     FutureWatcher keeps every unfinished P2PWork until its request finishes, so dropping the
+//     Python Work early never frees a buffer UCX is still using; a finished one is released at
+//     once, so the tensors then live only as long as the user holds the Work.
+//   * A P2PWork whose wait (or future) times out is cancelled, so that it cannot take a later
+//     message meant for the next operation on its tag.
 //   * A collective is a Task: the worker thread owns it (tensors included) until it has run; the
 //     CollWork shares the Task to wait on it and to hand out its future.
 //   * CoalescedWork holds the Works issued inside one coalescing window.
@@ -79,8 +82,10 @@ class FutureWatcher;  // watcher.hpp
 
 class P2PWork final : public c10d::Work {
  public:
+  // `cancel_bound`: how long a timed-out wait waits for the cancellation to finish.
   P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::Tensor> tensors,
-          std::chrono::milliseconds default_timeout);
+          std::chrono::milliseconds default_timeout,
+          std::chrono::milliseconds cancel_bound = std::chrono::milliseconds(3000));
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
@@ -92,18 +97,30 @@ class P2PWork final : public c10d::Work {
 
   bool done() const noexcept { return request_.done(); }
   Request& request() { return request_; }
-  // Settles the future (if one was handed out): with the result once the request is done, or with
-  // a timeout error once the group timeout has passed since posting. True when settled.
+  // Settles the future (if one was handed out) with the result once the request is done. Once the
+  // group timeout has passed since posting, the request is cancelled and the future fails with a
+  // timeout (or, had it matched meanwhile, completes). True once the request has finished and the
+  // future (if any) is settled: the backend may then let go of the Work.
   bool poll_future();
   // The backend's watcher, which completes a future asked for before the request is done.
   void set_watcher(std::weak_ptr<FutureWatcher> watcher) { watcher_ = std::move(watcher); }
 
  private:
   friend class FutureWatcher;
+  // wait() timed out with `timeout`: cancel, wait up to cancel_bound_; returns when the request
+  // matched after all, else throws the timeout saying whether it was cancelled.
+  void cancel_after_timeout(const Error& timeout);
+  void release();         // the request has finished: the backend drops its reference now
+  Error timeout_error();  // the timeout that had the request cancelled
   Request request_;
   std::vector<at::Tensor> tensors_;
   std::chrono::milliseconds default_timeout_;
+  std::chrono::milliseconds cancel_bound_;
   Clock::time_point posted_;
+  std::atomic<bool> cancel_asked_{false};  // a wait or the future timed out: cancel asked for
+  std::atomic<bool> released_{false};      // finished and dropped by the watcher
+  std::string timeout_reason_;             // of that timeout (guarded by future_mu_)
+  std::mutex settle_mu_;                   // held while poll_future() settles
   std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::weak_ptr<FutureWatcher> watcher_;
