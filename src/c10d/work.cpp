@@ -104,8 +104,7 @@ std::exception_ptr P2PWork::exception() const { return to_torch_error(request_.e
 
 int P2PWork::sourceRank() const {
   if (!request_.done()) {
-    C10_THROW_ERROR(ValueError,
-                    "commux recvAnysource: sourceRank() is only valid after wait() has returned");
+    throw_value_error("commux recvAnysource: sourceRank() is only valid after wait() has returned");
   }
   return request_.source();
 }
@@ -281,10 +280,10 @@ DeferredWork::DeferredWork(int rank, c10d::OpType type, const char* op_name,
     : c10d::Work(rank, type), op_name_(op_name), tensors_(std::move(tensors)) {}
 
 void DeferredWork::not_posted(const char* what) const {
-  C10_THROW_ERROR(ValueError, std::string("commux ") + op_name_ + ": " + what +
-                                  " before endCoalescing(): with COMMUX_GROUP=1 the operations of "
-                                  "a coalescing window are posted when it ends (wait on the Work "
-                                  "endCoalescing() returns)");
+  throw_value_error(std::string("commux ") + op_name_ + ": " + what +
+                    " before endCoalescing(): with COMMUX_GROUP=1 the operations of "
+                    "a coalescing window are posted when it ends (wait on the Work "
+                    "endCoalescing() returns)");
 }
 
 namespace {
