@@ -20,7 +20,8 @@ namespace commux {
 
 struct Setting {
   const char* name;           // "COMMUX_SPIN_US"
-  const char* type;           // "bool", "int", "auto/on/off", "cpu/cuda", "name", "path" or "text"
+  const char* type;           // "bool", "int", "auto/on/off", "cpu/cuda", "name", "path" or
+                              // "secret" (printed as "(set)", never shown)
   const char* default_value;  // as documented: "off", "100", "auto"; "-" for none
   bool per_communicator;      // read at each Communicator's creation (else once per process)
   const char* meaning;        // one line, as in the README's settings table

@@ -58,7 +58,7 @@ const std::vector<Setting>& settings_table() {
        "commux.ep packs and unpacks host tensors with the device path's ATen operations (a check "
        "of "
        "that code without a GPU)"},
-      {"COMMUX_STORE_TOKEN", "text", "-", kOnce,
+      {"COMMUX_STORE_TOKEN", "secret", "-", kOnce,
        "TcpStore: a shared secret every client presents on connecting; the server closes a "
        "connection whose token differs (unset: no check)"},
       {"UCXPG_DEVICE", "cpu/cuda", "cpu", kOnce,
