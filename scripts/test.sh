@@ -10,6 +10,8 @@
 #   asan         the C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer
 #   tsan         the threaded C++ tests under ThreadSanitizer (threads-as-ranks collectives,
 #                multithreaded point-to-point, shutdown racing waiters); any report fails
+#   fuzz         libFuzzer (clang, ASan + UBSan) over the TcpStore request parser and the tag decoder,
+#                30 s each from tests/fuzz/corpus/<target>/; any crash or report fails
 #   bench        a smoke run of the C++ benchmark (correctness only; timings not judged)
 #   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests
 #   cuda         the package against a CUDA build of torch 2.14 (.venv-cuda): it builds, imports and
@@ -24,7 +26,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
-ALL_STAGES=(lint cpp cpp-system asan tsan bench python cuda torch)
+ALL_STAGES=(lint cpp cpp-system asan tsan fuzz bench python cuda torch)
 # The torch releases the package claims besides the two above (2.13 CPU in .venv, 2.14 CUDA in
 # .venv-cuda); README "Supported torch" and pyproject.toml state the same range.
 OLDER_TORCH=(2.11 2.12)
@@ -97,6 +99,27 @@ stage_tsan() {
   (export UCX_MEM_EVENTS=no \
       TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" &&
     run_ctest build-tsan -R "$TSAN_TESTS")
+}
+
+stage_fuzz() {
+  echo "== libFuzzer: the TcpStore request parser and the tag decoder (clang, 30 s each)"
+  # COMMUX_FUZZ builds only tests/fuzz (no UCX, no torch). New inputs go to build-fuzz/corpus/;
+  # the checked-in seeds (tests/fuzz/corpus/<target>/) are only read.
+  CC=clang CXX=clang++ .venv/bin/cmake -S . -B build-fuzz -G Ninja \
+    -DCMAKE_MAKE_PROGRAM="$PWD/.venv/bin/ninja" -DCOMMUX_FUZZ=ON >/dev/null
+  .venv/bin/cmake --build build-fuzz
+  local t
+  for t in fuzz_store fuzz_tag; do
+    [ -n "$(ls -A "tests/fuzz/corpus/$t" 2>/dev/null)" ] || {
+      echo "fuzz: no seed corpus in tests/fuzz/corpus/$t" >&2
+      return 1
+    }
+    mkdir -p "build-fuzz/corpus/$t" build-fuzz/artifacts
+    # A crash, a sanitizer report or a check's abort() exits non-zero (its input is saved under
+    # build-fuzz/artifacts/).
+    "build-fuzz/tests/fuzz/$t" -max_total_time=30 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+      -artifact_prefix=build-fuzz/artifacts/ "build-fuzz/corpus/$t" "tests/fuzz/corpus/$t"
+  done
 }
 
 stage_bench() {

@@ -3,6 +3,7 @@
 // setting (commux/settings.hpp) with its value and where it came from.
 // Asks UCX through commux::probe_runtime (a one-rank communicator), prints, exits.
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "commux/communicator.hpp"
@@ -36,7 +37,10 @@ int main() {
     std::printf("%-22s %lld ms\n", "default timeout", static_cast<long long>(o.timeout.count()));
     std::printf("settings (commux/settings.hpp; README \"Runtime settings\"):\n");
     for (const auto& v : commux::settings().values) {
-      std::printf("  %-28s %-10s (%s)\n", v.setting->name, v.text.empty() ? "-" : v.text.c_str(),
+      std::printf("  %-28s %-10s (%s)\n", v.setting->name,
+                  v.text.empty()                                ? "-"
+                  : std::strcmp(v.setting->type, "secret") == 0 ? "(set)"
+                                                                : v.text.c_str(),
                   v.from_env ? "environment" : "default");
     }
   } catch (const std::exception& e) {

@@ -20,7 +20,8 @@ namespace commux {
 
 struct Setting {
   const char* name;           // "COMMUX_SPIN_US"
-  const char* type;           // "bool", "int", "auto/on/off", "cpu/cuda", "name" or "path"
+  const char* type;           // "bool", "int", "auto/on/off", "cpu/cuda", "name", "path" or
+                              // "secret" (printed as "(set)", never shown)
   const char* default_value;  // as documented: "off", "100", "auto"; "-" for none
   bool per_communicator;      // read at each Communicator's creation (else once per process)
   const char* meaning;        // one line, as in the README's settings table
@@ -43,6 +44,7 @@ struct Settings {
   bool aten_reduce = false;                                    // COMMUX_ATEN_REDUCE
   // Once per process.
   bool ep_aten = false;       // COMMUX_EP_ATEN
+  std::string store_token;    // COMMUX_STORE_TOKEN, "" = none
   bool device_cuda = false;   // UCXPG_DEVICE=cuda (test driver)
   bool bench = false;         // COMMUX_BENCH (test driver)
   long bench_v = 1;           // COMMUX_BENCH_V (test driver)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -52,10 +53,29 @@ namespace commux {
 // the server included, is a client. For torch-free programs whose ranks share no file system, and
 // for the C++ test driver (`test_commux RANK SIZE HOST PORT`). Connecting retries until `timeout`.
 // The server keeps serving until its TcpStore is destroyed.
+//
+// The server listens on `host` only (give "127.0.0.1" for one machine, the interface other hosts
+// reach for several; "0.0.0.0" listens on all). It refuses, by closing that connection, a request
+// it cannot parse or whose key exceeds kMaxKey / value exceeds kMaxValue bytes (set() refuses them
+// first with Errc::kInvalidArgument); a closed connection gives its descriptor and thread back at
+// once; running out of descriptors delays accepting, and a listener that fails for good says so on
+// stderr. With a token (TcpStoreOptions::token, by default COMMUX_STORE_TOKEN), a client must
+// present the server's token before any request: the server closes a connection that does not,
+// and that client's constructor throws Errc::kPeerFailed naming the address and the token.
+struct TcpStoreOptions {
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // connect and per-request deadline
+  bool token_from_env = true;  // token = COMMUX_STORE_TOKEN (commux::settings()); else `token`
+  std::string token;           // "" = none (a server without one accepts every client)
+};
+
 class TcpStore final : public Store {
  public:
+  static constexpr std::size_t kMaxKey = 4096;
+  static constexpr std::size_t kMaxValue = std::size_t{64} << 20;  // 64 MiB
+
   TcpStore(const std::string& host, int port, bool is_server,
            std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  TcpStore(const std::string& host, int port, bool is_server, const TcpStoreOptions& options);
   ~TcpStore() override;
   TcpStore(const TcpStore&) = delete;
   TcpStore& operator=(const TcpStore&) = delete;

@@ -64,7 +64,8 @@ def main() -> int:
     values = _C.settings()
     for row in _C.settings_table():
         v = values[row["name"]]
-        print(f"  {row['name']:<28} {v['text'] or '-':<12} ({v['source']}; read {row['read']})")
+        text = "(set)" if v["text"] and row["type"] == "secret" else v["text"] or "-"
+        print(f"  {row['name']:<28} {text:<12} ({v['source']}; read {row['read']})")
     known = {row["name"] for row in _C.settings_table()}
     for k in sorted(k for k in os.environ if k.startswith("COMMUX_") and k not in known):
         print(f"  {k}={os.environ[k]}: not a commux runtime setting")

@@ -128,3 +128,11 @@ def test_info_prints_every_setting():
         source = "environment" if row["name"] == "COMMUX_WAKEUP" else "default"
         assert f"({source}; read {row['read']})" in found[0], found[0]
     assert [ln for ln in lines if ln.split()[:2] == ["COMMUX_WAKEUP", "off"]], r.stdout
+
+
+def test_info_never_prints_the_store_token():
+    r = _run("import sys; from commux.info import main; sys.exit(main())", COMMUX_STORE_TOKEN="hush-4711")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hush-4711" not in r.stdout + r.stderr
+    found = [ln for ln in r.stdout.splitlines() if ln.split()[:1] == ["COMMUX_STORE_TOKEN"]]
+    assert found and found[0].split()[1] == "(set)", r.stdout

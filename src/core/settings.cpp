@@ -58,6 +58,9 @@ const std::vector<Setting>& settings_table() {
        "commux.ep packs and unpacks host tensors with the device path's ATen operations (a check "
        "of "
        "that code without a GPU)"},
+      {"COMMUX_STORE_TOKEN", "secret", "-", kOnce,
+       "TcpStore: a shared secret every client presents on connecting; the server closes a "
+       "connection whose token differs (unset: no check)"},
       {"UCXPG_DEVICE", "cpu/cuda", "cpu", kOnce,
        "test_commux: where the driver's messages live (cuda: device memory)"},
       {"COMMUX_BENCH", "bool", "off", kOnce,
@@ -141,6 +144,8 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       out.device_cuda = text == "cuda";
     } else if (name == "COMMUX_CUDART") {
       out.cudart = text;
+    } else if (name == "COMMUX_STORE_TOKEN") {
+      out.store_token = text;
     }
     // "name" (COMMUX_ALGO_<OP>): checked by the collectives, which know the algorithms.
   }
