@@ -106,9 +106,7 @@ void ProcessGroupUCX::Impl::monitoredBarrier(const c10d::BarrierOptions& opts,
         auto w =
             c10::make_intrusive<P2PWork>(me, p.is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
                                          p.request, std::vector<at::Tensor>{p.buf}, timeout_);
-        std::lock_guard<std::mutex> lk(mu_);
-        reap_locked();
-        inflight_.push_back(w);
+        keep_until_done(w);
       } catch (...) {
       }
     }
