@@ -31,8 +31,10 @@ void FutureWatcher::watch(c10::intrusive_ptr<P2PWork> work, bool future) {
     work->poll_future();
     return;
   }
-  auto it = std::find_if(watched_.begin(), watched_.end(),
-                         [&](const Entry& e) { return e.work == work; });
+  // A Work is tracked once, when it is posted: only a later add() (its future) can find it here.
+  auto it = future ? std::find_if(watched_.begin(), watched_.end(),
+                                  [&](const Entry& e) { return e.work == work; })
+                   : watched_.end();
   if (it == watched_.end()) {
     watched_.push_back(Entry{std::move(work), future});
     futures_ += future ? 1 : 0;
