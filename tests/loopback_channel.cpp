@@ -27,6 +27,8 @@ struct LoopbackWorld::Op {
   std::size_t transferred = 0;
   std::exception_ptr error;
   std::string deadlock;  // set when a deadlock is reported while this op is waited for
+  bool probing = false;  // waited for by await() (the waiter probes between waits)
+  bool woken = false;    // await() returns: let the waiter probe before a deadlock is declared
   std::condition_variable cv;
 };
 
@@ -35,6 +37,9 @@ struct LoopbackWorld::OpState final : detail::RequestState {
   explicit OpState(std::shared_ptr<Op> o) : op(std::move(o)) {}
   bool test() override { return op->finished.load(); }
   void wait_for(std::chrono::milliseconds timeout) override { op->world->wait(*op, timeout); }
+  bool await(std::chrono::milliseconds timeout, bool /*spin*/) override {
+    return op->world->await(*op, timeout);
+  }
   void request_cancel() override { op->world->cancel(*op); }
   bool finished() const noexcept override { return op->finished.load(); }
   int posted_peer() const noexcept override { return op->peer; }
@@ -94,6 +99,38 @@ class LoopbackWorld::Chan final : public detail::Channel {
       w_->post_locked(op);
     }
     return detail::make_request(std::make_shared<OpState>(op));
+  }
+
+  bool probe(TagKind kind, std::uint32_t value, std::uint32_t mask,
+             detail::Unexpected* out) override {
+    std::lock_guard<std::mutex> g(w_->mu_);
+    for (const auto& send : w_->queued_[static_cast<std::size_t>(rank_)]) {
+      if (send->kind != kind || ((send->tag ^ value) & mask) != 0) continue;
+      if (out != nullptr) *out = detail::Unexpected{send->rank, send->tag, send->capacity};
+      return true;
+    }
+    return false;
+  }
+
+  std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override {
+    std::lock_guard<std::mutex> g(w_->mu_);
+    auto& sends = w_->queued_[static_cast<std::size_t>(rank_)];
+    std::size_t n = 0;
+    for (auto it = sends.begin(); it != sends.end();) {
+      Op& send = **it;
+      if (send.kind != kind || ((send.tag ^ value) & mask) != 0) {
+        ++it;
+        continue;
+      }
+      if (!send.finished.load()) {  // a rendezvous send: its receiver took it
+        send.sender = send.peer;
+        send.transferred = send.capacity;
+        w_->finish_locked(send, nullptr);
+      }
+      it = sends.erase(it);
+      ++n;
+    }
+    return n;
   }
 
   // Cancels what this rank still has posted; what it cancels is reported by unmatched().
@@ -181,6 +218,7 @@ std::string LoopbackWorld::describe(const Op& op) {
 }
 
 void LoopbackWorld::post_locked(const std::shared_ptr<Op>& op) {
+  ++epoch_;
   auto accepts = [](const Op& recv, const Op& send) {
     return (recv.peer == kAnySource || recv.peer == send.rank) && recv.kind == send.kind &&
            recv.tag == send.tag;
@@ -266,31 +304,43 @@ void LoopbackWorld::deliver_locked(Op& send, Op& recv) {
 }
 
 void LoopbackWorld::finish_locked(Op& op, std::exception_ptr error) {
+  ++epoch_;
   op.error = std::move(error);
   op.finished.store(true);
   op.cv.notify_all();
 }
 
 void LoopbackWorld::wait(Op& op, std::chrono::milliseconds timeout) {
+  if (block(op, timeout, false)) return;
+  throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": Timed out after " +
+                                  std::to_string(timeout.count()) + " ms (" + describe(op) + ")");
+}
+
+bool LoopbackWorld::await(Op& op, std::chrono::milliseconds timeout) {
+  return block(op, timeout, true);
+}
+
+bool LoopbackWorld::block(Op& op, std::chrono::milliseconds timeout, bool probing) {
   std::unique_lock<std::mutex> lk(mu_);
   const auto ur = static_cast<std::size_t>(op.rank);
   trace_[ur].push_back(
       TraceEvent{TraceEvent::Kind::kWait, op.dir, op.peer, op.kind, op.tag, op.capacity});
-  if (op.finished.load()) return;
+  if (op.finished.load()) return true;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   op.deadlock.clear();
+  op.probing = probing;
+  op.woken = false;
   blocked_[ur] = &op;
   check_deadlock_locked();
-  while (!op.finished.load() && op.deadlock.empty()) {
+  while (!op.finished.load() && op.deadlock.empty() && !op.woken) {
     if (op.cv.wait_until(lk, deadline) == std::cv_status::timeout) break;
   }
   blocked_[ur] = nullptr;
-  if (op.finished.load()) return;
+  if (op.finished.load()) return true;
   if (!op.deadlock.empty()) {
     throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": " + op.deadlock);
   }
-  throw Error(Errc::kTimeout, std::string("commux ") + op.name + ": Timed out after " +
-                                  std::to_string(timeout.count()) + " ms (" + describe(op) + ")");
+  return false;
 }
 
 void LoopbackWorld::check_deadlock_locked() {
@@ -303,6 +353,24 @@ void LoopbackWorld::check_deadlock_locked() {
     if (op == nullptr || op->finished.load() || !op->deadlock.empty()) return;
   }
   if (!any) return;
+  // Waiters that probe between waits (the collectives' cross-rank call checks) get one chance to
+  // look at what is queued for them before this counts as a deadlock: wake them once per state
+  // of the world (nothing posted or finished since).
+  if (probe_epoch_ != epoch_) {
+    bool woke = false;
+    for (int r = 0; r < n_; ++r) {
+      Op* op = blocked_[static_cast<std::size_t>(r)];
+      if (live_[static_cast<std::size_t>(r)] && op->probing) {
+        op->woken = true;
+        op->cv.notify_all();
+        woke = true;
+      }
+    }
+    if (woke) {
+      probe_epoch_ = epoch_;
+      return;
+    }
+  }
   std::string msg = "deadlock: every rank waits and nothing can complete:";
   for (int r = 0; r < n_; ++r) {
     const auto ur = static_cast<std::size_t>(r);

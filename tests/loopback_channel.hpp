@@ -93,6 +93,8 @@ class LoopbackWorld {
   void deliver_locked(Op& send, Op& recv);
   void finish_locked(Op& op, std::exception_ptr error);
   void wait(Op& op, std::chrono::milliseconds timeout);
+  bool await(Op& op, std::chrono::milliseconds timeout);
+  bool block(Op& op, std::chrono::milliseconds timeout, bool probing);
   void cancel(Op& op);
   void check_deadlock_locked();
   static std::string describe(const Op& op);
@@ -111,6 +113,8 @@ class LoopbackWorld {
   std::vector<std::vector<TraceEvent>> trace_;
   std::vector<std::string> left_at_shutdown_;  // operations shutdown() had to cancel
   int deadlocks_ = 0;
+  std::uint64_t epoch_ = 0;        // bumped by every post and completion
+  std::uint64_t probe_epoch_ = 0;  // the epoch at which probing waiters were last woken
 };
 
 }  // namespace commux::test

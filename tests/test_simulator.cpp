@@ -563,3 +563,117 @@ TEST(Loopback, MismatchedSizesFailEveryRank) {
 }
 
 }  // namespace
+
+// ---- cross-rank call checks ----------------------------------------------------------------------
+
+namespace {
+
+coll::Context call_ctx(Communicator& c, std::uint32_t tag, const char* op) {
+  coll::Context ctx;
+  ctx.comm = &c;
+  ctx.tag = tag;
+  ctx.op_name = op;
+  ctx.deadline = Clock::now() + std::chrono::seconds(20);
+  return ctx;
+}
+
+bool has(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// Both ranks run `body`; then a correct allreduce (tag 2, after dropping call 1's leftovers)
+// must give the right sum on both: the failed call leaves nothing that pairs with a later one.
+std::vector<std::string> mismatched_then_healthy(LoopMode mode,
+                                                 const std::function<void(Communicator&)>& body) {
+  LoopbackWorld w(2, mode);
+  std::vector<std::string> first(2);
+  const auto errors = w.run([&](Communicator& c) {
+    try {
+      body(c);
+    } catch (const Error& e) {
+      first[static_cast<std::size_t>(c.rank())] =
+          std::string(errc_name(e.code())) + ": " + e.what();
+    }
+    coll::discard_call(call_ctx(c, 1, "drop"));
+    std::vector<float> x(64, static_cast<float>(c.rank() + 1));
+    coll::allreduce(call_ctx(c, 2, "allreduce"), x.data(), x.size(), DataType::kFloat32,
+                    ReduceOp::kSum);
+    for (float v : x) {
+      if (v != 3.0f) throw std::runtime_error("the allreduce after the mismatch is wrong");
+    }
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  return first;
+}
+
+}  // namespace
+
+class CallChecks : public ::testing::TestWithParam<LoopMode> {};
+
+// Rank 0 reduces 1000 floats while rank 1 broadcasts 1000 floats from rank 0: before the call
+// checks, rank 1's broadcast took rank 0's data and returned success.
+TEST_P(CallChecks, ACollectiveOfAnotherKindFailsOnBothRanksNamingBothCalls) {
+  const auto errs = mismatched_then_healthy(GetParam(), [](Communicator& c) {
+    std::vector<float> x(1000, 1.0f);
+    if (c.rank() == 0) {
+      coll::allreduce(call_ctx(c, 1, "allreduce"), x.data(), x.size(), DataType::kFloat32,
+                      ReduceOp::kSum);
+    } else {
+      coll::broadcast(call_ctx(c, 1, "broadcast"), x.data(), x.size() * 4, 0);
+    }
+  });
+  EXPECT_TRUE(has(errs[0], "call mismatch")) << errs[0];
+  EXPECT_TRUE(has(errs[0], "rank 1 is in broadcast #1 (4000 bytes from root 0")) << errs[0];
+  EXPECT_TRUE(has(errs[0], "this rank is in allreduce #1 (1000 float32 SUM")) << errs[0];
+  EXPECT_TRUE(has(errs[1], "call mismatch")) << errs[1];
+  EXPECT_TRUE(has(errs[1], "rank 0 is in allreduce #1 (1000 float32 SUM")) << errs[1];
+  EXPECT_TRUE(has(errs[1], "this rank is in broadcast #1")) << errs[1];
+}
+
+// Same bytes, different element types: garbage on both ranks before.
+TEST_P(CallChecks, SameBytesOfAnotherDataTypeFailOnBothRanks) {
+  const auto errs = mismatched_then_healthy(GetParam(), [](Communicator& c) {
+    if (c.rank() == 0) {
+      std::vector<float> x(200, 1.0f);
+      coll::allreduce(call_ctx(c, 1, "allreduce"), x.data(), x.size(), DataType::kFloat32,
+                      ReduceOp::kSum);
+    } else {
+      std::vector<double> x(100, 1.0);
+      coll::allreduce(call_ctx(c, 1, "allreduce"), x.data(), x.size(), DataType::kFloat64,
+                      ReduceOp::kSum);
+    }
+  });
+  EXPECT_TRUE(has(errs[0], "200 float32 SUM") && has(errs[0], "100 float64 SUM")) << errs[0];
+  EXPECT_TRUE(has(errs[1], "200 float32 SUM") && has(errs[1], "100 float64 SUM")) << errs[1];
+}
+
+// Ranks that force different algorithms would exchange messages that do not fit each other.
+TEST_P(CallChecks, DifferentAlgorithmsOfOneCollectiveFailOnBothRanks) {
+  const auto errs = mismatched_then_healthy(GetParam(), [](Communicator& c) {
+    std::vector<float> x(1u << 15, 1.0f);
+    coll::Context ctx = call_ctx(c, 1, "allreduce");
+    ctx.algorithm = c.rank() == 0 ? "ring" : "halves";
+    coll::allreduce(ctx, x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum);
+  });
+  EXPECT_TRUE(has(errs[0], "ring") && has(errs[0], "halves")) << errs[0];
+  EXPECT_TRUE(has(errs[1], "ring") && has(errs[1], "halves")) << errs[1];
+}
+
+// A rank that rejects its own call tells the others: their call fails at once naming it and the
+// reason, instead of pairing with that rank's next call.
+TEST_P(CallChecks, ACallRejectedOnOneRankFailsTheOthersWithItsReason) {
+  const auto errs = mismatched_then_healthy(GetParam(), [](Communicator& c) {
+    std::vector<float> x(16, 1.0f);
+    float* buf = c.rank() == 1 ? nullptr : x.data();
+    coll::allreduce(call_ctx(c, 1, "allreduce"), buf, x.size(), DataType::kFloat32, ReduceOp::kSum);
+  });
+  EXPECT_TRUE(has(errs[1], "invalid argument")) << errs[1];
+  EXPECT_TRUE(has(errs[0], "call mismatch")) << errs[0];
+  EXPECT_TRUE(has(errs[0], "rank 1 rejected its call allreduce #1: buf is null")) << errs[0];
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CallChecks,
+                         ::testing::Values(LoopMode::kEager, LoopMode::kRendezvous),
+                         [](const ::testing::TestParamInfo<LoopMode>& p) {
+                           return p.param == LoopMode::kEager ? "Eager" : "Rendezvous";
+                         });

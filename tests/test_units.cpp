@@ -30,7 +30,10 @@ TEST(Tag, FieldsRoundTrip) {
   EXPECT_EQ(g.continuation, f.continuation);
   EXPECT_EQ(g.packing, f.packing);
   EXPECT_EQ(g.user, f.user);
-  EXPECT_EQ(make_tag(f).bits & kReservedBit, 0u);
+  EXPECT_EQ(make_tag(f).bits & kNoticeBit, 0u);
+  f.kind = TagKind::kNotice;
+  EXPECT_EQ(parse_tag(make_tag(f)).kind, TagKind::kNotice);
+  EXPECT_EQ(make_tag(f).bits & (kNoticeBit | kInternalBit), kNoticeBit | kInternalBit);
 }
 
 TEST(Tag, EachFieldHasItsOwnBits) {
@@ -53,8 +56,8 @@ TEST(Tag, EachFieldHasItsOwnBits) {
   f = TagFields{};
   f.packing = Packing::kIov;
   EXPECT_EQ(make_tag(f).bits, std::uint64_t{1} << 33);
-  // The masks tile the 64 bits with the reserved bit.
-  EXPECT_EQ(kUserMask | kReservedBit | kIovBit | kContinuationBit | kInternalBit | kGroupMask |
+  // The masks tile the 64 bits with the notice bit.
+  EXPECT_EQ(kUserMask | kNoticeBit | kIovBit | kContinuationBit | kInternalBit | kGroupMask |
                 kRankMask,
             ~std::uint64_t{0});
 }

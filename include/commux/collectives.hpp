@@ -111,6 +111,15 @@ struct Context {
   const char* algorithm = nullptr;
   // Device work for buffers in device memory (see DeviceOps); nullptr: stage through the host.
   DeviceOps* device = nullptr;
+  // Cross-rank call checks. Every message of a collective carries a fingerprint of its call (the
+  // collective, the algorithm, the sizes, data type, root and reduce op it was given, and
+  // call_key), so that the messages of two different calls never pair up; a rank whose wait sees a
+  // message or a notice of another call fails, on every rank involved, with kCallMismatch naming
+  // both calls. call_key: what the caller knows must be equal on every rank beyond the arguments
+  // the collective sees (e.g. a tensor's data type for a broadcast of bytes). call_text: how errors
+  // describe the call ("1000 float32 SUM"); nullptr: described from the collective's arguments.
+  std::uint64_t call_key = 0;
+  const char* call_text = nullptr;
 };
 
 // Algorithm selection. `op` names a collective: "allreduce", "broadcast", "reduce", "allgather"
@@ -134,6 +143,20 @@ std::string forced_algorithm(const char* op);
 // The algorithm the last collective called on this thread ran ("" before the first), e.g.
 // "rabenseifner"; after a forced algorithm declined, the selector's choice that ran instead.
 const char* last_algorithm() noexcept;
+
+// Tells the other ranks that this rank will not take part in call ctx.tag (its arguments were
+// rejected before anything was posted): their matching call fails at once with kCallMismatch
+// naming this rank and `reason`, instead of waiting for it or pairing with this rank's next call.
+// Never throws (a peer it cannot reach is skipped).
+void reject(const Context& ctx, const std::string& reason) noexcept;
+// Drops the messages of call ctx.tag that reached this rank after the call failed or was
+// rejected here: they would otherwise wait in the transport, and a call's messages are told apart
+// by the low 16 bits of its tag and its fingerprint, so they could pair with a call 65536 tags
+// later. Returns how many were dropped.
+std::size_t discard_call(const Context& ctx);
+// The user field of the internal messages of call `tag` whose fingerprint is `fingerprint` (see
+// commux/tag.hpp), for code that posts internal traffic of its own with a call's tag.
+std::uint32_t call_wire_tag(std::uint32_t tag, std::uint64_t fingerprint) noexcept;
 
 void barrier(const Context& ctx);
 // `bytes` from root's buf to every rank's buf.

@@ -83,6 +83,7 @@ class Channel;
 Channel& channel(Communicator& comm) noexcept;
 std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel);
 Request make_request(std::shared_ptr<RequestState> state) noexcept;
+RequestState* state_of(const Request& request) noexcept;
 }  // namespace detail
 
 class Request {
@@ -110,6 +111,7 @@ class Request {
  private:
   friend class Communicator;
   friend Request detail::make_request(std::shared_ptr<detail::RequestState> state) noexcept;
+  friend detail::RequestState* detail::state_of(const Request& request) noexcept;
   explicit Request(std::shared_ptr<detail::RequestState> state) noexcept
       : state_(std::move(state)) {}
   std::shared_ptr<detail::RequestState> state_;

@@ -26,6 +26,7 @@ enum class Errc {
   kCanceled,         // the operation was cancelled (by the user or by shutdown)
   kUnsupported,      // the local UCX cannot do what was asked (e.g. a memory type it lacks)
   kWireMismatch,     // the peer used a different wire format (e.g. COMMUX_COALESCE differs)
+  kCallMismatch,     // the ranks are in different collective calls, or disagree on its arguments
   kTransport,        // any other UCX failure
 };
 

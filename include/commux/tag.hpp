@@ -2,7 +2,7 @@
 //
 //   63                  44 43          36   35   34   33   32 31                               0
 //  +----------------------+--------------+----+----+----+----+----------------------------------+
-//  |   sender rank (20)   | group id (8) | I  | C  | V  | R  |          user tag (32)           |
+//  |   sender rank (20)   | group id (8) | I  | C  | V  | N  |          user tag (32)           |
 //  +----------------------+--------------+----+----+----+----+----------------------------------+
 //
 //  sender rank  rank of the sending process in its group, 0 .. 2^20-1. A receive from one peer
@@ -17,9 +17,13 @@
 //  V            IOV: the message is a multi-buffer message packed into one UCX message. Receives
 //               ignore this bit when matching and compare it on completion, so a peer that packs
 //               when this rank does not (or the reverse) gets a clear wire-format error.
-//  R            reserved, always 0.
+//  N            notice (with I set): a rank that rejected a collective, or stopped it on a cross-rank
+//               mismatch, tells the other ranks (TagKind::kNotice; the user tag is the call's tag).
 //  user tag     the 32-bit tag the user passed (0 .. 2^32-1; negative or larger tags are rejected
-//               with Errc::kInvalidArgument); for internal traffic, the collective's sequence/step.
+//               with Errc::kInvalidArgument); for internal traffic, the collective's call: the low
+//               16 bits of its tag (Context::tag) and a 16-bit fingerprint of the call (operation,
+//               algorithm, sizes, data type, root, reduce op), so that messages of two different
+//               calls never match (see docs/architecture.md, "Cross-rank call checks").
 //
 // TagValue and TagMask are distinct types so that a mask can never be passed as a tag.
 #pragma once
@@ -39,14 +43,14 @@ struct TagMask {
 
 namespace tag_layout {
 inline constexpr int kUserBits = 32;
-inline constexpr int kFlagShift = 32;  // R=32, V=33, C=34, I=35
+inline constexpr int kFlagShift = 32;  // N=32, V=33, C=34, I=35
 inline constexpr int kGroupShift = 36;
 inline constexpr int kGroupBits = 8;
 inline constexpr int kRankShift = 44;
 inline constexpr int kRankBits = 20;
 
 inline constexpr std::uint64_t kUserMask = (std::uint64_t{1} << kUserBits) - 1;
-inline constexpr std::uint64_t kReservedBit = std::uint64_t{1} << 32;
+inline constexpr std::uint64_t kNoticeBit = std::uint64_t{1} << 32;
 inline constexpr std::uint64_t kIovBit = std::uint64_t{1} << 33;
 inline constexpr std::uint64_t kContinuationBit = std::uint64_t{1} << 34;
 inline constexpr std::uint64_t kInternalBit = std::uint64_t{1} << 35;
@@ -58,8 +62,9 @@ inline constexpr int kMaxRanks = 1 << kRankBits;
 inline constexpr int kMaxGroups = 1 << kGroupBits;
 }  // namespace tag_layout
 
-// Whether a message is user point-to-point traffic or commux's own (collectives).
-enum class TagKind : std::uint8_t { kUser = 0, kInternal = 1 };
+// Whether a message is user point-to-point traffic or commux's own: a collective's data
+// (kInternal) or a notice about a collective call (kNotice: I and N set).
+enum class TagKind : std::uint8_t { kUser = 0, kInternal = 1, kNotice = 2 };
 
 // How a message travels: one UCX message per buffer (first part C=0, the rest C=1), or all
 // buffers packed into one UCX message with the IOV datatype (V=1).

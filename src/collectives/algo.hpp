@@ -138,10 +138,61 @@ void set_last_algorithm(const char* name) noexcept;
 
 // The algorithm to run: the forced one if it exists and accepts the call, else the selector's
 // choice `preferred` (which must accept), else the first that accepts. Unknown forced names throw
-// before anything is posted. Records the choice for last_algorithm().
+// before anything is posted. Records the choice for last_algorithm() and identifies the call to
+// `ex` (Exchange::identify), so the algorithm is part of its fingerprint.
+// What of a call must agree on every rank (algo_index and algo filled in by choose).
+inline CallId call_id(const AllreduceArgs& a, int) {
+  CallId c;
+  c.count = a.count;
+  c.dtype = static_cast<int>(a.t);
+  c.op = static_cast<int>(a.op);
+  return c;
+}
+inline CallId call_id(const BroadcastArgs& a, int) {
+  CallId c;
+  c.bytes = a.bytes;
+  c.root = a.root;
+  return c;
+}
+inline CallId call_id(const ReduceArgs& a, int) {
+  CallId c;
+  c.count = a.count;
+  c.dtype = static_cast<int>(a.t);
+  c.op = static_cast<int>(a.op);
+  c.root = a.root;
+  return c;
+}
+std::uint64_t hash_sizes(const std::size_t* v, std::size_t n) noexcept;  // (calls.cpp)
+inline CallId call_id(const AllgatherArgs& a, int n) {
+  CallId c;
+  c.bytes = a.counts[0];
+  if (!a.uniform) {
+    c.uneven = true;
+    c.extra = hash_sizes(a.counts, static_cast<std::size_t>(n));
+  }
+  return c;
+}
+inline CallId call_id(const ReduceScatterArgs& a, int n) {
+  CallId c;
+  c.count = a.off[n];
+  c.dtype = static_cast<int>(a.t);
+  c.op = static_cast<int>(a.op);
+  c.extra = hash_sizes(a.off, static_cast<std::size_t>(n) + 1);
+  return c;
+}
+inline CallId call_id(const AlltoallArgs&, int) { return CallId{}; }  // counts differ per rank
+inline CallId call_id(const BarrierArgs&, int) { return CallId{}; }
+inline CallId call_id(const RootedArgs& a, int) {
+  CallId c;
+  c.bytes = a.bytes;
+  c.root = a.root;
+  return c;
+}
+
 template <class A>
-const Algorithm<A>& choose(const Context& ctx, const Table<A>& tab, int n, const A& a,
+const Algorithm<A>& choose(Exchange& ex, const Table<A>& tab, int n, const A& a,
                            const char* preferred) {
+  const Context& ctx = ex.context();
   auto find = [&](const char* name) -> const Algorithm<A>* {
     for (std::size_t i = 0; i < tab.size; ++i) {
       if (std::strcmp(tab.list[i]->name, name) == 0) return tab.list[i];
@@ -164,6 +215,13 @@ const Algorithm<A>& choose(const Context& ctx, const Table<A>& tab, int n, const
     if (ok(tab.list[i])) chosen = tab.list[i];
   }
   set_last_algorithm(chosen->name);
+  CallId id = call_id(a, n);
+  id.coll = static_cast<int>(tab.coll);
+  for (std::size_t i = 0; i < tab.size; ++i) {
+    if (tab.list[i] == chosen) id.algo_index = static_cast<int>(i);
+  }
+  id.algo = chosen->name;
+  ex.identify(id);
   return *chosen;
 }
 

@@ -31,7 +31,7 @@ void allgatherv(const Context& ctx, const void* in, void* out, const std::size_t
   if (uniform && total < detail::kAllgatherSmallBytes) {
     pick = pattern::is_pow2(n) ? "recursive_doubling" : "bruck";
   }
-  const auto& algo = detail::choose(ctx, detail::allgather_table(), n, a, pick);
+  const auto& algo = detail::choose(ex, detail::allgather_table(), n, a, pick);
   algo.run(ex, a);
 }
 

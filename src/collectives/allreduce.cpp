@@ -32,7 +32,7 @@ void allreduce(const Context& ctx, void* buf, std::size_t count, DataType t, Red
   detail::check_ptr(ctx, buf, bytes, "buf");
   const int n = ex.size();
   detail::AllreduceArgs a{static_cast<char*>(buf), count, t, op};
-  const auto& algo = detail::choose(ctx, detail::allreduce_table(), n, a, select(n, a));
+  const auto& algo = detail::choose(ex, detail::allreduce_table(), n, a, select(n, a));
   if (n == 1 || count == 0) return;
   detail::WorkStage host(ex, buf, bytes, true);
   a.buf = host.data();

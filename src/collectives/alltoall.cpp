@@ -31,7 +31,7 @@ void alltoallv(const Context& ctx, const void* in, const std::size_t* send_count
   }
   const detail::AlltoallArgs a{static_cast<const char*>(in), send_counts, send_displs,
                                static_cast<char*>(out),      recv_counts, recv_displs};
-  const auto& algo = detail::choose(ctx, detail::alltoall_table(), n, a, "pairwise");
+  const auto& algo = detail::choose(ex, detail::alltoall_table(), n, a, "pairwise");
   algo.run(ex, a);
 }
 

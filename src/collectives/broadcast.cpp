@@ -13,7 +13,7 @@ void broadcast(const Context& ctx, void* buf, std::size_t bytes, int root) {
   const detail::BroadcastArgs a{static_cast<char*>(buf), bytes, root};
   const char* pick =
       n >= 3 && bytes >= detail::kBroadcastScatterBytes ? "scatter_allgather" : "binomial";
-  const auto& algo = detail::choose(ctx, detail::broadcast_table(), n, a, pick);
+  const auto& algo = detail::choose(ex, detail::broadcast_table(), n, a, pick);
   if (n == 1) return;
   algo.run(ex, a);
 }

@@ -14,6 +14,9 @@ namespace {
 
 // How long a failing collective waits for its cancelled requests, all together.
 constexpr std::chrono::milliseconds kCancelBound{1000};
+// A wait checks for another rank's different call after this long, then this often.
+constexpr std::chrono::milliseconds kFirstCheck{25};
+constexpr std::chrono::milliseconds kCheckEvery{10};
 
 // Requests that did not finish even after cancel(), with the scratch they may still touch. Kept
 // until they complete; checked whenever a collective starts. Never destroyed (no work at exit).
@@ -86,6 +89,19 @@ void reap_parked() {
                p.lots.end());
 }
 
+}  // namespace
+
+void park(Request request, std::unique_ptr<char[]> data) {
+  if (request.done()) return;
+  ParkingLot& p = parking();
+  std::lock_guard<std::mutex> g(p.mu);
+  p.lots.emplace_back();
+  p.lots.back().reqs.push_back(std::move(request));
+  p.lots.back().scratch.push_back(std::move(data));
+}
+
+namespace {
+
 const char* op_or_default(const char* op) {
   return op != nullptr && *op != '\0' ? op : "collective";
 }
@@ -104,6 +120,7 @@ Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
   } else {
     deadline_ = ctx.deadline;
   }
+  wire_ = call_wire_tag(ctx_.tag, 0);  // until identify()
   reap_parked();
   if (ctx_.device != nullptr) ctx_.device->synchronize();  // the caller's device work on inputs
 }
@@ -120,6 +137,7 @@ Exchange::~Exchange() {
 }
 
 void Exchange::invalid(const Context& ctx, const std::string& what) {
+  reject(ctx, what);  // the other ranks' matching call fails at once instead of waiting
   throw Error(Errc::kInvalidArgument, ErrorSite{op_or_default(ctx.op_name), {}, {}, {}, {}}, what);
 }
 
@@ -134,7 +152,7 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
   try {
     // Fast completion: the collectives wait for their sends at once; UCX applies it only to
     // messages below its eager threshold, large ones stay zero-copy rendezvous.
-    reqs_.push_back(chan_->post_send(&b, 1, peer, TagKind::kInternal, ctx_.tag, true));
+    reqs_.push_back(chan_->post_send(&b, 1, peer, TagKind::kInternal, wire_, true));
   } catch (const Error& e) {
     rethrow(e);
   }
@@ -144,7 +162,7 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
 std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType mem) {
   const Buffer b{data, bytes, mem};
   try {
-    reqs_.push_back(chan_->post_recv(&b, 1, peer, TagKind::kInternal, ctx_.tag));
+    reqs_.push_back(chan_->post_recv(&b, 1, peer, TagKind::kInternal, wire_));
   } catch (const Error& e) {
     rethrow(e);
   }
@@ -152,9 +170,21 @@ std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType m
 }
 
 void Exchange::wait(std::size_t id) {
+  // Wait in slices; between them, look for signs that another rank is in a different call (a
+  // notice, or a message with this call's tag slot but another fingerprint). The first slice spins
+  // as a plain wait does, so a collective that completes in time costs nothing more.
+  ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id]);
   try {
+    for (bool first = true;; first = false) {
+      const auto left = remaining();
+      const auto slice = first ? kFirstCheck : kCheckEvery;
+      if (st == nullptr || left <= slice) break;
+      if (st->await(slice, first)) break;
+      check_calls(id);
+    }
     reqs_[id].wait(remaining());
   } catch (const Error& e) {
+    if (e.code() == Errc::kCallMismatch) throw;  // check_calls has cleaned up and described it
     rethrow(e);
   }
   // Requests before first_open_ are complete and were waited for (their errors seen).

@@ -28,6 +28,21 @@ namespace commux::coll::detail {
 
 using Clock = std::chrono::steady_clock;
 
+// What identifies a collective call across ranks (everything here must be equal on every rank):
+// its fingerprint goes into every message's tag, and errors describe the call from it.
+struct CallId {
+  int coll = 0;             // detail::Coll
+  int algo_index = 0;       // in the collective's table
+  const char* algo = "";    // the algorithm's name
+  std::size_t count = 0;    // elements (reductions)
+  int dtype = -1;           // DataType, or -1
+  int op = -1;              // ReduceOp, or -1
+  int root = -1;            // the root, or -1
+  std::size_t bytes = 0;    // bytes (broadcast; gather/scatter per rank; equal allgather parts)
+  std::uint64_t extra = 0;  // a hash of per-rank counts or offsets
+  bool uneven = false;      // allgatherv parts of different sizes
+};
+
 class Exchange {
  public:
   // Validates ctx (a communicator is required) and resolves the deadline: a deadline of
@@ -45,8 +60,17 @@ class Exchange {
   MemoryType work_mem() const { return ctx_.device != nullptr ? ctx_.mem : MemoryType::kHost; }
   const char* op() const { return ctx_.op_name; }
 
+  const Context& context() const { return ctx_; }
+
   // Names the algorithm step in error messages ("ring reduce-scatter"), until the next call.
   void phase(const char* what) { phase_ = what; }
+
+  // Identifies the call (detail::choose does, once the algorithm is known, before anything is
+  // posted): its messages then carry the call's fingerprint, and waits look for messages and
+  // notices of a different call.
+  void identify(const CallId& id);
+  // "allreduce #7 (1000 float32 SUM, ring)"
+  std::string describe_call() const;
 
   // Posts a message; returns an id for wait()/bytes(). `mem` is the memory type of `data`.
   std::size_t send(const void* data, std::size_t bytes, int peer, MemoryType mem);
@@ -94,6 +118,14 @@ class Exchange {
   [[noreturn]] static void invalid(const Context& ctx, const std::string& what);
 
  private:
+  // Cross-rank call checks while waiting for request `id` (calls.cpp): throws kCallMismatch on a
+  // notice of this call from another rank, or on a message of a different call from the peer of
+  // `id`.
+  void check_calls(std::size_t id);
+  [[noreturn]] void mismatch(int peer);
+  [[noreturn]] void noticed(int peer, const std::string& notice);
+  // Sends this rank's notice about the call (once) to every other rank.
+  void notify(char kind, const std::string& reason);
   std::chrono::milliseconds remaining() const;
   [[noreturn]] void rethrow(const Error& e);
   void abort() noexcept;
@@ -101,6 +133,9 @@ class Exchange {
 
   Context ctx_;
   ::commux::detail::Channel* chan_ = nullptr;
+  CallId id_;
+  std::uint32_t wire_ = 0;  // the user field of this call's tags
+  bool notified_ = false;
   int rank_;
   int size_;
   Clock::time_point deadline_;
@@ -116,6 +151,10 @@ class Exchange {
   };
   std::vector<Scratch> scratch_;
 };
+
+// Keeps a request that may still be in flight, with the memory it uses, until it completes
+// (checked whenever a collective starts): for sends nobody waits for, such as notices.
+void park(Request request, std::unique_ptr<char[]> data);
 
 // Work-memory view of a user buffer for the reductions: the buffer itself when it already is in
 // work memory (host buffers; device buffers with Context::device), else a host copy (staged in at

@@ -20,7 +20,7 @@ void gather(const Context& ctx, const void* in, std::size_t bytes, void* out, in
   detail::check_ptr(ctx, in, bytes, "in");
   if (r == root) detail::check_ptr(ctx, out, bytes * static_cast<std::size_t>(n), "out");
   const detail::RootedArgs a{static_cast<const char*>(in), static_cast<char*>(out), bytes, root};
-  const auto& algo = detail::choose(ctx, detail::gather_table(), n, a, select(n, bytes));
+  const auto& algo = detail::choose(ex, detail::gather_table(), n, a, select(n, bytes));
   if (n == 1) {
     ex.copy(out, ex.mem(), in, ex.mem(), bytes);
     return;
@@ -35,7 +35,7 @@ void scatter(const Context& ctx, const void* in, void* out, std::size_t bytes, i
   detail::check_ptr(ctx, out, bytes, "out");
   if (r == root) detail::check_ptr(ctx, in, bytes * static_cast<std::size_t>(n), "in");
   const detail::RootedArgs a{static_cast<const char*>(in), static_cast<char*>(out), bytes, root};
-  const auto& algo = detail::choose(ctx, detail::scatter_table(), n, a, select(n, bytes));
+  const auto& algo = detail::choose(ex, detail::scatter_table(), n, a, select(n, bytes));
   if (n == 1) {
     ex.copy(out, ex.mem(), in, ex.mem(), bytes);
     return;

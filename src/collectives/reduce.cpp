@@ -16,7 +16,7 @@ void reduce(const Context& ctx, void* buf, std::size_t count, DataType t, Reduce
   detail::check_ptr(ctx, buf, bytes, "buf");
   const int n = ex.size();
   detail::ReduceArgs a{static_cast<char*>(buf), count, t, op, root};
-  const auto& algo = detail::choose(ctx, detail::reduce_table(), n, a, "binomial");
+  const auto& algo = detail::choose(ex, detail::reduce_table(), n, a, "binomial");
   if (n == 1 || count == 0) return;
   detail::WorkStage host(ex, buf, bytes, true);
   a.buf = host.data();

@@ -29,7 +29,7 @@ void reduce_scatter(const Context& ctx, const void* in, void* out, const std::si
   const char* pick = pattern::is_pow2(n) && total * es < detail::kReduceScatterSmallBytes
                          ? "recursive_halving"
                          : "ring";
-  const auto& algo = detail::choose(ctx, detail::reduce_scatter_table(), n, a, pick);
+  const auto& algo = detail::choose(ex, detail::reduce_scatter_table(), n, a, pick);
   if (n == 1) {
     ex.copy(out, ex.mem(), in, ex.mem(), mine_bytes);
     return;

@@ -30,6 +30,13 @@ namespace commux::detail {
 
 enum class Direction : std::uint8_t { kSend, kRecv };
 
+// A message that arrived and matched no receive yet (Channel::probe).
+struct Unexpected {
+  int sender = -1;
+  std::uint32_t tag = 0;  // the user field of its tag
+  std::size_t bytes = 0;
+};
+
 // One posted operation, as Request sees it.
 class RequestState {
  public:
@@ -39,6 +46,10 @@ class RequestState {
   // Returns once finished; throws Error(kTimeout, ...) naming the operation if it is not finished
   // after `timeout` (the operation then stays posted). Never throws the operation's own failure.
   virtual void wait_for(std::chrono::milliseconds timeout) = 0;
+  // Returns whether the operation finished within `timeout` (false: it stays posted). Never
+  // throws for a timeout or the operation's failure; `spin` false: sleep at once (a waiter that
+  // already spun for this operation).
+  virtual bool await(std::chrono::milliseconds timeout, bool spin) = 0;
   // Asks the channel to cancel; the operation then finishes with kCanceled unless it matched.
   virtual void request_cancel() = 0;
   virtual bool finished() const noexcept = 0;
@@ -63,6 +74,13 @@ class Channel {
   // Validation errors (peer, buffers) throw Error(kInvalidArgument) before anything is posted.
   virtual Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
                        int peer, TagKind kind, std::uint32_t tag, bool fast_completion) = 0;
+  // Looks, without receiving it, for a message of traffic `kind` from any sender that arrived and
+  // matched no receive, whose tag's user field equals `value` on the bits of `mask` (the first
+  // such, in arrival order). For the cross-rank call checks of the collectives.
+  virtual bool probe(TagKind kind, std::uint32_t value, std::uint32_t mask, Unexpected* out) = 0;
+  // Receives and drops every such message (those of a call that failed or was rejected, which
+  // would otherwise wait in the transport for a receive that never comes); returns how many.
+  virtual std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) = 0;
   // Cancels what is posted and releases the transport; bounded by options().shutdown_timeout.
   // Safe to call twice.
   virtual void shutdown() = 0;
@@ -81,7 +99,9 @@ class Channel {
 Channel& channel(Communicator& comm) noexcept;
 // A Communicator over any channel (the test channels use it; the Communicator shuts it down).
 std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel);
-// A Request onto a state (for Channel implementations).
+// A Request onto a state (for Channel implementations), and the state behind a Request (nullptr
+// for a default-constructed one).
 Request make_request(std::shared_ptr<RequestState> state) noexcept;
+RequestState* state_of(const Request& request) noexcept;
 
 }  // namespace commux::detail

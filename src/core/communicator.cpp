@@ -98,6 +98,8 @@ Request make_request(std::shared_ptr<RequestState> state) noexcept {
   return Request(std::move(state));
 }
 
+RequestState* state_of(const Request& request) noexcept { return request.state_.get(); }
+
 Channel& channel(Communicator& comm) noexcept { return *comm.channel_; }
 
 std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel) {

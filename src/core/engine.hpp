@@ -49,6 +49,8 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   const RuntimeInfo& info() const noexcept override { return info_; }
   Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count, int peer,
                TagKind kind, std::uint32_t tag, bool fast_completion) override;
+  bool probe(TagKind kind, std::uint32_t value, std::uint32_t mask, Unexpected* out) override;
+  std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override;
   void shutdown() override;
 
   // Requests (op.cpp); Op's RequestState methods call the last three.
@@ -56,6 +58,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
                               std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
                               bool fast_completion);
   void wait(Op& op, std::chrono::milliseconds timeout);
+  bool await(Op& op, std::chrono::milliseconds timeout, bool spin);
   bool test(Op& op);
   void cancel(Op& op);
 
@@ -86,6 +89,10 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   void finish_locked(Op& op);
   void run_deferred_locked();
   std::string describe(const Op& op) const;
+  // The tag and mask that select `kind` messages of this group from any sender, any part, whose
+  // user field equals `value` on the bits of `mask`.
+  std::pair<std::uint64_t, std::uint64_t> probe_match(TagKind kind, std::uint32_t value,
+                                                      std::uint32_t mask) const;
 
   std::shared_ptr<Store> store_;
   const int rank_;

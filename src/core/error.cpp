@@ -15,6 +15,7 @@ const char* errc_name(Errc code) noexcept {
     case Errc::kCanceled: return "canceled";
     case Errc::kUnsupported: return "unsupported";
     case Errc::kWireMismatch: return "wire format mismatch";
+    case Errc::kCallMismatch: return "call mismatch";
     case Errc::kTransport: return "transport error";
   }
   return "unknown";

@@ -2,7 +2,10 @@
 // errors. Everything here runs with the worker mutex held unless it takes it itself; the tag
 // layout is in include/commux/tag.hpp, the threading contract in docs/progress.md.
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
+#include <new>
+#include <utility>
 
 #include "engine.hpp"
 #include "status.hpp"
@@ -289,6 +292,9 @@ Request Engine::post(Direction dir, const char* name, const Buffer* buffers, std
 
 bool Op::test() { return engine->test(*this); }
 void Op::wait_for(std::chrono::milliseconds timeout) { engine->wait(*this, timeout); }
+bool Op::await(std::chrono::milliseconds timeout, bool spin) {
+  return engine->await(*this, timeout, spin);
+}
 void Op::request_cancel() { engine->cancel(*this); }
 std::chrono::milliseconds Op::default_timeout() const noexcept { return engine->options().timeout; }
 
@@ -309,6 +315,74 @@ void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
   throw Error(Errc::kTimeout,
               ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
               "Timed out after " + std::to_string(timeout.count()) + " ms (" + d + ")");
+}
+
+bool Engine::await(Op& op, std::chrono::milliseconds timeout, bool spin) {
+  return worker_.wait(op, timeout, spin ? options_.spin : std::chrono::microseconds(-1));
+}
+
+std::pair<std::uint64_t, std::uint64_t> Engine::probe_match(TagKind kind, std::uint32_t value,
+                                                            std::uint32_t mask) const {
+  TagFields f;
+  f.group = options_.group;
+  f.kind = kind;
+  f.user = value & mask;
+  const std::uint64_t tag = make_tag(f).bits;
+  const std::uint64_t tmask = ~(tag_layout::kRankMask | tag_layout::kIovBit |
+                                tag_layout::kContinuationBit | (tag_layout::kUserMask & ~mask));
+  return {tag, tmask};
+}
+
+bool Engine::probe(TagKind kind, std::uint32_t value, std::uint32_t mask, Unexpected* out) {
+  const auto [tag, tmask] = probe_match(kind, value, mask);
+  std::lock_guard<std::mutex> lock(worker_.mutex());
+  if (worker_.handle() == nullptr || worker_.shut_down_locked()) return false;
+  progress_locked();
+  ucp_tag_recv_info_t info{};
+  if (ucp_tag_probe_nb(worker_.handle(), tag, tmask, 0, &info) == nullptr) return false;
+  if (out != nullptr) {
+    const TagFields g = parse_tag(TagValue{info.sender_tag});
+    out->sender = g.sender;
+    out->tag = g.user;
+    out->bytes = info.length;
+  }
+  return true;
+}
+
+namespace {
+// A dropped message's landing buffer: freed when UCX completes the receive.
+void discard_done(void* request, ucs_status_t /*status*/, const ucp_tag_recv_info_t* /*info*/,
+                  void* user_data) {
+  std::free(user_data);
+  if (request != nullptr) ucp_request_free(request);
+}
+}  // namespace
+
+std::size_t Engine::discard(TagKind kind, std::uint32_t value, std::uint32_t mask) {
+  const auto [tag, tmask] = probe_match(kind, value, mask);
+  std::lock_guard<std::mutex> lock(worker_.mutex());
+  if (worker_.handle() == nullptr || worker_.shut_down_locked()) return 0;
+  progress_locked();
+  std::size_t n = 0;
+  for (;;) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_.handle(), tag, tmask, 1, &info);
+    if (msg == nullptr) break;
+    void* buf = std::malloc(std::max<std::size_t>(info.length, 1));
+    if (buf == nullptr) throw std::bad_alloc();
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.cb.recv = discard_done;
+    prm.user_data = buf;
+    void* r = ucp_tag_msg_recv_nbx(worker_.handle(), buf, info.length, msg, &prm);
+    if (r == nullptr) {
+      std::free(buf);  // completed at once (an eager message)
+    } else if (UCS_PTR_IS_ERR(r)) {
+      std::free(buf);
+    }
+    ++n;
+  }
+  return n;
 }
 
 void Engine::cancel(Op& op) {

@@ -22,6 +22,7 @@ TagValue make_tag(const TagFields& f) {
   bits |= static_cast<std::uint64_t>(f.sender) << kRankShift;
   bits |= static_cast<std::uint64_t>(f.group) << kGroupShift;
   if (f.kind == TagKind::kInternal) bits |= kInternalBit;
+  if (f.kind == TagKind::kNotice) bits |= kInternalBit | kNoticeBit;
   if (f.continuation) bits |= kContinuationBit;
   if (f.packing == Packing::kIov) bits |= kIovBit;
   return TagValue{bits};
@@ -32,7 +33,9 @@ TagFields parse_tag(TagValue t) {
   f.user = static_cast<std::uint32_t>(t.bits & kUserMask);
   f.sender = static_cast<int>((t.bits & kRankMask) >> kRankShift);
   f.group = static_cast<int>((t.bits & kGroupMask) >> kGroupShift);
-  f.kind = (t.bits & kInternalBit) ? TagKind::kInternal : TagKind::kUser;
+  f.kind = !(t.bits & kInternalBit) ? TagKind::kUser
+           : (t.bits & kNoticeBit)  ? TagKind::kNotice
+                                    : TagKind::kInternal;
   f.continuation = (t.bits & kContinuationBit) != 0;
   f.packing = (t.bits & kIovBit) ? Packing::kIov : Packing::kParts;
   return f;

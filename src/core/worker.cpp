@@ -146,7 +146,10 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   // the progress thread's poll interval to every large transfer.
   const auto expected = std::chrono::microseconds(op.capacity / 2000);
   const auto spin_until =
-      std::min(deadline, start + std::clamp<std::chrono::microseconds>(expected, spin, kMaxSpin));
+      spin.count() < 0
+          ? start
+          : std::min(deadline,
+                     start + std::clamp<std::chrono::microseconds>(expected, spin, kMaxSpin));
   spinners_.fetch_add(1);
   for (unsigned iter = 1; !op.done.load(); ++iter) {
     {

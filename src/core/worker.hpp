@@ -72,8 +72,8 @@ class Worker {
   void stop_progress_thread();
 
   // Waits until `op` is done or `timeout` passes (true: done): progresses once, spins for at
-  // least `spin` (longer for large messages), then sleeps on the done condition while the
-  // progress thread progresses. Call without the lock.
+  // least `spin` (longer for large messages; a negative `spin`: not at all), then sleeps on the
+  // done condition while the progress thread progresses. Call without the lock.
   bool wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin);
   // After setting an Op's done flag: wakes the threads sleeping in wait(), if any.
   void notify_done() {

@@ -19,7 +19,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (f.sender < 0 || f.sender >= L::kMaxRanks || f.group < 0 || f.group >= L::kMaxGroups)
     std::abort();
   const commux::TagValue back = commux::make_tag(f);
-  if (back.bits != (bits & ~L::kReservedBit)) std::abort();
+  // N (notice) is only meaningful with I (internal): without it the tag is user traffic.
+  const std::uint64_t expect = (bits & L::kInternalBit) ? bits : (bits & ~L::kNoticeBit);
+  if (back.bits != expect) std::abort();
   for (const int sender : {f.sender, -1}) {
     if (sender < 0 && f.continuation) continue;  // any-source matches first parts only
     const commux::RecvMatch m = commux::recv_match(sender, f.group, f.kind, f.continuation, f.user);

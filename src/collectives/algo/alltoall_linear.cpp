@@ -12,11 +12,10 @@ namespace commux::coll::detail {
 void alltoall_check(Exchange& ex, std::size_t id, int p, std::size_t expected) {
   const std::size_t got = ex.bytes(id);
   if (got != expected) {
-    ex.fail(Errc::kInvalidArgument, "peer " + std::to_string(p) + " sent " + std::to_string(got) +
-                                        " bytes but recv_counts[" + std::to_string(p) +
-                                        "] on rank " + std::to_string(ex.rank()) + " is " +
-                                        std::to_string(expected) +
-                                        " (the send and receive splits of the two ranks disagree)");
+    ex.fail(Errc::kCallMismatch, "peer " + std::to_string(p) + " sent " + std::to_string(got) +
+                                     " bytes but recv_counts[" + std::to_string(p) + "] on rank " +
+                                     std::to_string(ex.rank()) + " is " + std::to_string(expected) +
+                                     " (the send and receive splits of the two ranks disagree)");
   }
 }
 

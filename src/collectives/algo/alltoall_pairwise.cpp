@@ -2,7 +2,7 @@
 // most kMaxInFlight steps outstanding (step i + kMaxInFlight is posted when step i's receive and
 // send are complete), so a large world does not flood any rank with n - 1 messages at once.
 // Every pair exchanges a message, zero bytes too, so ranks whose splits disagree fail instead of
-// hanging: a longer message fails with kTruncated, a shorter one with kInvalidArgument, both naming
+// hanging: a longer message fails with kTruncated, a shorter one with kCallMismatch, both naming
 // the peer and both sizes. The rank's own block is a local copy. The selector's choice.
 #include <vector>
 

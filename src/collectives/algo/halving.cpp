@@ -19,7 +19,7 @@ void fold_in(Exchange& ex, char* buf, std::size_t count, DataType t, ReduceOp op
 
 void expect_bytes(Exchange& ex, std::size_t id, int peer, std::size_t expected, const char* what) {
   if (ex.bytes(id) != expected) {
-    ex.fail(Errc::kInvalidArgument, size_mismatch(peer, ex.bytes(id), expected, what));
+    ex.fail(Errc::kCallMismatch, size_mismatch(peer, ex.bytes(id), expected, what));
   }
 }
 
