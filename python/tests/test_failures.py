@@ -274,6 +274,14 @@ def _invalid_inputs(ctx):
         "all_gather list of wrong length":
             lambda: dist.all_gather([torch.zeros(4) for _ in range(W + 1)], torch.ones(4)),
     }
+    # What the other ranks call when only the root's call is invalid: the same collective, valid
+    # on their side. Their call fails at once naming the root's rejection (or, for a gather, may
+    # complete: a non-root only sends), instead of pairing with the root's next call.
+    counterpart = {
+        "scatter list too long": lambda: dist.scatter(torch.zeros(4), src=0),
+        "scatter list too short": lambda: dist.scatter(torch.zeros(4), src=0),
+        "gather list of wrong length": lambda: dist.gather(torch.ones(4), dst=0),
+    }
     res = {}
     for name, (who, _) in INVALID.items():
         if BACKEND == "gloo" and name in GLOO_BROKEN:
@@ -281,6 +289,8 @@ def _invalid_inputs(ctx):
         elif who == "all" or me == 0:
             print(f"invalid-input case: {name}", flush=True)
             res[name] = expect_raises(calls[name])
+        elif BACKEND != "gloo":
+            res[name] = dict(expect_raises(counterpart[name]), counterpart=True)
         dist.barrier(group=ctx.ref)
     health_check(ctx)  # the group still works after all the rejected calls
     return res
@@ -303,6 +313,11 @@ def test_invalid_input_raises_clearly(case):
             continue  # this rank does not make the call (non-root of scatter/gather)
         if r.get("gloo_broken"):
             pytest.skip("gloo does not validate this (crash or timeout); not run with COMMUX_TEST_BACKEND=gloo")
+        if r.get("counterpart"):  # a valid call on this rank, rejected on the root
+            if r["raised"] and ("rank 0 rejected its call" not in r["msg"] or r["s"] > 2.5):
+                problems.append(f"rank {o.rank}: the root's rejection is not reported at once "
+                                f"({r['s']:.1f}s): {r['type']}: {r['msg']}")
+            continue
         if not r["raised"]:
             problems.append(f"rank {o.rank}: accepted (no error)")
         elif not r["runtime_or_value"]:
@@ -330,8 +345,8 @@ def test_invalid_input_names_the_group(case):
     problems = []
     for o in outs:
         r = o.value.get(case)
-        if r is None or not r.get("raised"):
-            continue  # not called on this rank, or test_invalid_input_raises_clearly reports it
+        if r is None or not r.get("raised") or r.get("counterpart"):
+            continue  # not rejected on this rank, or test_invalid_input_raises_clearly reports it
         if "group '" not in r["msg"] or f"rank {o.rank} of {WORLD_INVALID}" not in r["msg"]:
             problems.append(f"rank {o.rank}: the group is not named: {r['type']}: {r['msg']!r}")
     assert not problems, f"{case}:\n" + "\n".join(problems)

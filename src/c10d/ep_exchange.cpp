@@ -5,7 +5,8 @@
 // Tags: each call takes one internal tag from the group's collective sequence (next_tag_), the
 // same counter collectives draw from, so an exchange can never match user point-to-point traffic
 // (the internal bit), a collective's messages, another exchange (another Buffer's included) or a
-// later call's (the sequence number). Every rank of the group must issue the same sequence of
+// later call's (the sequence number: its low 16 bits and a fingerprint of its own, as for a
+// collective's messages: coll::call_wire_tag). Every rank of the group must issue the same sequence of
 // collectives and exchanges -- the rule collectives already have.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -20,6 +21,10 @@
 #include "errors.hpp"
 #include "process_group_ucx_internal.hpp"
 #include "work.hpp"
+
+namespace {
+constexpr std::uint64_t kExchangeFingerprint = 0x65705f6578636867ull;  // "ep_exchg"
+}  // namespace
 
 namespace commux {
 
@@ -106,7 +111,9 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) bad(op, "the process group (" + where() + ") has been shut down");
-    tag = next_tag_++;
+    // The wire tag of the call, with the exchange's own fingerprint: its messages never match a
+    // collective's (src/collectives/calls.cpp).
+    tag = coll::call_wire_tag(next_tag_++, kExchangeFingerprint);
   }
   const auto limit = effective(timeout);
   const auto deadline = Clock::now() + limit;

@@ -26,6 +26,10 @@
 #include "process_group_ucx_internal.hpp"
 #include "work.hpp"
 
+namespace {
+constexpr std::uint64_t kMonitoredBarrierFingerprint = 0x6d6f6e6261727269ull;  // "monbarri"
+}  // namespace
+
 namespace commux {
 
 using c10d_detail::Clock;
@@ -91,8 +95,10 @@ void ProcessGroupUCX::Impl::monitoredBarrier(const c10d::BarrierOptions& opts,
   auto post = [&](bool is_send, int peer, std::uint32_t t, std::int32_t value) -> Posted& {
     at::Tensor buf = at::full({1}, value, at::TensorOptions().dtype(at::kInt));
     const Buffer b{buf.data_ptr(), sizeof(std::int32_t), MemoryType::kHost};
-    Request r = is_send ? chan.post_send(&b, 1, peer, TagKind::kInternal, t, true)
-                        : chan.post_recv(&b, 1, peer, TagKind::kInternal, t);
+    // The call's wire tag with a fingerprint of its own: never a collective's (collectives.hpp).
+    const std::uint32_t wire = coll::call_wire_tag(t, kMonitoredBarrierFingerprint);
+    Request r = is_send ? chan.post_send(&b, 1, peer, TagKind::kInternal, wire, true)
+                        : chan.post_recv(&b, 1, peer, TagKind::kInternal, wire);
     posted.push_back(Posted{std::move(r), buf, peer, is_send});
     return posted.back();
   };

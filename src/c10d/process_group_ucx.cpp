@@ -221,9 +221,11 @@ void ProcessGroupUCX::Impl::worker_loop() {
     }
     std::exception_ptr err;
     try {
+      if (any_dead_.load(std::memory_order_acquire)) drain_dead(t->tag);
       run(*t);
     } catch (...) {
       err = std::current_exception();
+      note_dead(t->tag, t->ntags);
     }
     t->body = nullptr;
     t->keep_alive.clear();
@@ -290,6 +292,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
       invalid(op_name, "the process group has been shut down");
     }
     t->tag = next_tag_;
+    t->ntags = ntags;
     next_tag_ += ntags;
     ++collectives_issued_;
     t->spin = small ? spin_ : std::chrono::microseconds(0);
@@ -318,6 +321,14 @@ coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t 
   c.deadline = deadline;
   c.op_name = op_name;
   c.mem = MemoryType::kHost;
+  if (like.defined()) {
+    // Every rank's tensors of a collective have one dtype: part of the call's fingerprint, and
+    // with the element count how errors describe the call ("1000 float32").
+    thread_local std::string text;
+    text = std::to_string(like.numel()) + " " + c10d_detail::dtype_text(like.scalar_type());
+    c.call_key = static_cast<std::uint64_t>(like.scalar_type()) + 1;
+    c.call_text = text.c_str();
+  }
   if (on_device(like)) {
     // Reductions, scratch and local copies stay on the device, on the backend's stream.
     c.mem = memory_type_of(op_name, like, "tensor");
@@ -813,79 +824,90 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::recvAnysource(std::vector<at::Te
 void ProcessGroupUCX::startCoalescing() { impl_->startCoalescing(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::endCoalescing() { return impl_->endCoalescing(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::barrier(const c10d::BarrierOptions& opts) {
-  return impl_->barrier(opts);
+  return impl_->checked("barrier", 1, [&] { return impl_->barrier(opts); });
 }
 void ProcessGroupUCX::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   impl_->monitoredBarrier(opts, wait_all_ranks);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
-  return impl_->broadcast(tensors, opts);
+  return impl_->checked("broadcast", 1, [&] { return impl_->broadcast(tensors, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
-  return impl_->allreduce(tensors, opts);
+  return impl_->checked("allreduce", 1, [&] { return impl_->allreduce(tensors, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  return impl_->allreduce_coalesced(tensors, opts);
+  return impl_->checked("allreduce_coalesced", 1,
+                        [&] { return impl_->allreduce_coalesced(tensors, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
-  return impl_->reduce(tensors, opts);
+  return impl_->checked("reduce", 1, [&] { return impl_->reduce(tensors, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return impl_->allgather(outputs, inputs, opts);
+  return impl_->checked("allgather", 1, [&] { return impl_->allgather(outputs, inputs, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  return impl_->_allgather_base(output, input, opts);
+  return impl_->checked("_allgather_base", 1,
+                        [&] { return impl_->_allgather_base(output, input, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return impl_->allgather_coalesced(outputs, inputs, opts);
+  return impl_->checked("allgather_coalesced", inputs.size(),
+                        [&] { return impl_->allgather_coalesced(outputs, inputs, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return impl_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return impl_->checked("allgather_into_tensor_coalesced", inputs.size(), [&] {
+    return impl_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return impl_->gather(outputs, inputs, opts);
+  return impl_->checked("gather", 1, [&] { return impl_->gather(outputs, inputs, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return impl_->scatter(outputs, inputs, opts);
+  return impl_->checked("scatter", 1, [&] { return impl_->scatter(outputs, inputs, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return impl_->reduce_scatter(outputs, inputs, opts);
+  return impl_->checked("reduce_scatter", 1,
+                        [&] { return impl_->reduce_scatter(outputs, inputs, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  return impl_->_reduce_scatter_base(output, input, opts);
+  return impl_->checked("_reduce_scatter_base", 1,
+                        [&] { return impl_->_reduce_scatter_base(output, input, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return impl_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return impl_->checked("reduce_scatter_tensor_coalesced", inputs.size(), [&] {
+    return impl_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
-  return impl_->alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+  return impl_->checked("alltoall_base", 1, [&] {
+    return impl_->alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
-  return impl_->alltoall(outputs, inputs, opts);
+  return impl_->checked("alltoall", 1, [&] { return impl_->alltoall(outputs, inputs, opts); });
 }
 std::vector<std::int64_t> ProcessGroupUCX::exchange_lanes(
     const std::string& op, const std::vector<at::Tensor>& sends,

@@ -17,10 +17,14 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#include <c10/util/Exception.h>
 
 #include "commux/collectives.hpp"
 #include "commux/communicator.hpp"
@@ -121,6 +125,25 @@ struct ProcessGroupUCX::Impl {
   coll::Context context(const char* op_name, std::uint32_t tag,
                         std::chrono::steady_clock::time_point deadline, const at::Tensor& like);
   void run(c10d_detail::Task& task);
+
+  // Cross-rank call checks (call_checks.cpp). A collective call that a rank rejects before
+  // enqueueing it still takes its tags and tells the other ranks (coll::reject), so their call
+  // fails at once naming this rank's reason instead of pairing with its next call.
+  template <class F>
+  auto checked(const char* op, std::size_t ntags, F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const c10::Error& e) {
+      reject_call(op, static_cast<std::uint32_t>(std::max<std::size_t>(1, ntags)),
+                  e.what_without_backtrace());
+      throw;
+    }
+  }
+  void reject_call(const char* op, std::uint32_t ntags, const std::string& reason) noexcept;
+  // A call that failed or was rejected here may still receive messages of its peers: they are
+  // dropped before each later call (drain_dead), until its tags come round again.
+  void note_dead(std::uint32_t tag, std::uint32_t ntags);
+  void drain_dead(std::uint32_t current);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   void worker_loop();
   std::string where() const;
@@ -139,6 +162,9 @@ struct ProcessGroupUCX::Impl {
   std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before sleeping
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;
+  std::mutex dead_mu_;
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> dead_;  // [dead_mu_] (tag, ntags)
+  std::atomic<bool> any_dead_{false};                          // = !dead_.empty()
   std::uint64_t collectives_issued_ = 0;
   // The worker thread's streams and DeviceOps per device (device tensors).
   std::unique_ptr<c10d_detail::DeviceStreams> streams_;

@@ -56,6 +56,19 @@ constexpr ReduceEntry kReduceOps[] = {
     {c10d::ReduceOp::PREMUL_SUM, ReduceOp::kSum, "PREMUL_SUM", Takes::kFloatingOrComplex},
 };
 
+const ReduceEntry* find_op(c10d::ReduceOp::RedOpType t);
+
+}  // namespace
+
+std::string dtype_text(at::ScalarType s) {
+  for (const auto& e : kDtypes) {
+    if (e.torch == s) return dtype_name(e.commux);
+  }
+  return c10::toString(s);
+}
+
+namespace {
+
 const ReduceEntry* find_op(c10d::ReduceOp::RedOpType t) {
   for (const auto& e : kReduceOps) {
     if (e.torch == t) return &e;

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+
+#include <string>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "commux/collectives.hpp"
@@ -16,6 +18,8 @@ namespace commux::c10d_detail {
 // The kernels' dtype of a torch dtype. Throws "commux <op>: dtype <X> is not supported for
 // reductions" for one commux has no kernels for (e.g. float8, uint16).
 DataType to_dtype(const char* op, at::ScalarType s);
+// How errors name a torch dtype: commux's name ("float32") where it has one, else torch's.
+std::string dtype_text(at::ScalarType s);
 // The torch dtype of a commux one (every DataType has one).
 at::ScalarType scalar_type(DataType t);
 

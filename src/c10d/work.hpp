@@ -41,6 +41,7 @@ struct Task {
   const char* op_name = "";
   c10d::OpType type = c10d::OpType::UNKNOWN;
   std::uint32_t tag = 0;
+  std::uint32_t ntags = 1;  // the call uses tags tag .. tag + ntags - 1
   Clock::time_point deadline;
   std::vector<at::Tensor> keep_alive;  // inputs (and scratch) the body reads
   std::vector<at::Tensor> outputs;     // what result() and the future report

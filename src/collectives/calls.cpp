@@ -112,26 +112,24 @@ void Exchange::identify(const CallId& id) {
 }
 
 std::string Exchange::describe_call() const {
+  const auto coll = static_cast<Coll>(id_.coll);
   std::string text;
   if (ctx_.call_text != nullptr && *ctx_.call_text != '\0') {
     text = ctx_.call_text;
-  } else {
-    const auto coll = static_cast<Coll>(id_.coll);
-    if (id_.count > 0 || id_.dtype >= 0) {
-      text = std::to_string(id_.count) + " " + dtype_name(static_cast<DataType>(id_.dtype));
-      if (id_.op >= 0) text += std::string(" ") + reduce_op_name(static_cast<ReduceOp>(id_.op));
-    } else if (coll == Coll::kAllgather) {
-      text =
-          id_.uneven ? "parts of different sizes" : std::to_string(id_.bytes) + " bytes per rank";
-    } else if (coll == Coll::kGather || coll == Coll::kScatter) {
-      text = std::to_string(id_.bytes) + " bytes per rank";
-    } else if (coll == Coll::kBroadcast) {
-      text = std::to_string(id_.bytes) + " bytes";
-    }
-    if (id_.root >= 0) {
-      text += std::string(coll == Coll::kBroadcast || coll == Coll::kScatter ? " from" : " to") +
-              " root " + std::to_string(id_.root);
-    }
+  } else if (id_.count > 0 || id_.dtype >= 0) {
+    text = std::to_string(id_.count) + " " + dtype_name(static_cast<DataType>(id_.dtype));
+  } else if (coll == Coll::kAllgather && id_.uneven) {
+    text = "parts of different sizes";
+  } else if (coll == Coll::kAllgather || coll == Coll::kGather || coll == Coll::kScatter) {
+    text = std::to_string(id_.bytes) + " bytes per rank";
+  } else if (coll == Coll::kBroadcast) {
+    text = std::to_string(id_.bytes) + " bytes";
+  }
+  auto add = [&](const std::string& part) { text += (text.empty() ? "" : " ") + part; };
+  if (id_.op >= 0) add(reduce_op_name(static_cast<ReduceOp>(id_.op)));
+  if (id_.root >= 0) {
+    add(std::string(coll == Coll::kBroadcast || coll == Coll::kScatter ? "from" : "to") + " root " +
+        std::to_string(id_.root));
   }
   if (id_.algo != nullptr && *id_.algo != '\0') {
     text += std::string(text.empty() ? "" : ", ") + id_.algo;

@@ -1,0 +1,111 @@
+"""Cross-rank call checks: ranks whose calls differ fail on every rank, naming both calls, instead
+of pairing their messages and returning wrong results; a call rejected on one rank fails the
+others' matching call at once; and the group keeps giving right results afterwards.
+
+Before the checks: rank 1's rejected all_gather_into_tensor let rank 0's all-gather pair with
+rank 1's next all_reduce (rank 0 got [1, 11] instead of [1, 2], and every later all_reduce was
+off by one call on both ranks, silently); an all_reduce on one rank and a broadcast on the other
+"succeeded" on the broadcasting rank with the reducer's data.
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp
+from helpers import expect_raises
+from suite import BACKEND
+
+pytestmark = [pytest.mark.ucx, pytest.mark.oneoff]
+
+FAST = 10.0  # seconds: far below the group timeout (60 s), generous for a loaded CI machine
+
+
+def _sums(me):
+    """Two all_reduces whose right results are 21 and 41 (2 ranks: 10 + 11, 20 + 21)."""
+    out = []
+    for base in (10, 20):
+        x = torch.tensor([float(base + me)])
+        dist.all_reduce(x)
+        out.append(x.item())
+    return out
+
+
+def _cases(ctx):
+    me = ctx.rank
+    res = {}
+    # defect 1: rank 1 rejects its all_gather_into_tensor (wrong output size), rank 0's is valid
+    out = torch.zeros(2 if me == 0 else 3)
+    res["rejected"] = expect_raises(lambda: dist.all_gather_into_tensor(out, torch.tensor([float(me + 1)])))
+    res["after_rejected"] = _sums(me)
+    # defect 2: all_reduce on rank 0, broadcast from rank 0 on rank 1, 1000 float32 each
+    x = torch.ones(1000)
+    res["kind"] = expect_raises(lambda: dist.all_reduce(x) if me == 0 else dist.broadcast(x, src=0))
+    res["after_kind"] = _sums(me)
+    # same bytes, another dtype: float32 vs int32 broadcast; 200 float32 vs 100 float64 all_reduce
+    y = torch.ones(1000, dtype=torch.float32 if me == 0 else torch.int32)
+    res["dtype_broadcast"] = expect_raises(lambda: dist.broadcast(y, src=0))
+    z = torch.ones(200, dtype=torch.float32) if me == 0 else torch.ones(100, dtype=torch.float64)
+    res["dtype_allreduce"] = expect_raises(lambda: dist.all_reduce(z))
+    res["after_dtype"] = _sums(me)
+    dist.barrier()
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def _run():
+    outs, closed = mp.run_once(_cases, 2, backend=BACKEND, pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    return [o.value for o in outs], closed
+
+
+def _check_right_rank(r, rank, *words):
+    assert r["raised"], f"rank {rank}: no error (a silent success)"
+    assert r["type"] == "DistBackendError", f"rank {rank}: {r['type']}: {r['msg']}"
+    assert r["s"] < FAST, f"rank {rank}: the error took {r['s']:.1f} s: {r['msg']}"
+    for w in words:
+        assert w in r["msg"], f"rank {rank}: {w!r} not in: {r['msg']}"
+
+
+def test_rejected_call_fails_the_other_rank_naming_the_reason():
+    v, _ = _run()
+    r1 = v[1]["rejected"]
+    assert r1["raised"] and r1["type"] == "ValueError", r1
+    _check_right_rank(v[0]["rejected"], 0, "rank 1 rejected its call", "allgather_base", "3 Float")
+
+
+@pytest.mark.parametrize("after", ["after_rejected", "after_kind", "after_dtype"])
+def test_later_calls_give_right_results(after):
+    v, _ = _run()
+    for rank in (0, 1):
+        assert v[rank][after] == [21.0, 41.0], f"rank {rank} {after}: {v[rank][after]}"
+
+
+def test_collectives_of_different_kinds_fail_on_both_ranks_naming_both_calls():
+    v, _ = _run()
+    _check_right_rank(v[0]["kind"], 0, "rank 1 is in broadcast #", "1000 float32 from root 0",
+                      "this rank is in allreduce #", "1000 float32 SUM")
+    _check_right_rank(v[1]["kind"], 1, "rank 0 is in allreduce #", "1000 float32 SUM",
+                      "this rank is in broadcast #")
+
+
+def test_same_bytes_of_another_dtype_fail_on_both_ranks():
+    v, _ = _run()
+    for rank in (0, 1):
+        _check_right_rank(v[rank]["dtype_allreduce"], rank, "200 float32", "100 float64")
+
+
+def test_broadcast_of_another_dtype_fails_on_the_receiver():
+    """The root only sends, so its broadcast may complete (its tensor is right); the receiver's
+    fails instead of taking float32 bytes as int32."""
+    v, _ = _run()
+    _check_right_rank(v[1]["dtype_broadcast"], 1, "different call", "1000 int32 from root 0")
+    r0 = v[0]["dtype_broadcast"]
+    assert not r0["raised"] or "1000 int32" in r0["msg"], r0
+
+
+def test_ranks_exit_cleanly_after_the_mismatches():
+    _, closed = _run()
+    bad = [o for o in closed if o.exc_type == "Hang" or o.exit_code != 0]
+    assert not bad, [(o.rank, o.exit_code, o.exc_type, o.exc_msg) for o in bad]
