@@ -362,7 +362,8 @@ std::size_t Engine::discard(TagKind kind, std::uint32_t value, std::uint32_t mas
   const auto [tag, tmask] = probe_match(kind, value, mask);
   std::lock_guard<std::mutex> lock(worker_.mutex());
   if (worker_.handle() == nullptr || worker_.shut_down_locked()) return 0;
-  progress_locked();
+  // No progress call: this runs before every collective while a failed call's leftovers may
+  // still come, and what has not arrived yet is dropped by a later call.
   std::size_t n = 0;
   for (;;) {
     ucp_tag_recv_info_t info{};
