@@ -350,7 +350,7 @@ void LoopbackWorld::check_deadlock_locked() {
     if (!live_[ur]) continue;
     any = true;
     const Op* op = blocked_[ur];
-    if (op == nullptr || op->finished.load() || !op->deadlock.empty()) return;
+    if (op == nullptr || op->finished.load() || !op->deadlock.empty() || op->woken) return;
   }
   if (!any) return;
   // Waiters that probe between waits (the collectives' cross-rank call checks) get one chance to

@@ -18,7 +18,11 @@
 // until leave(rank)) is blocked in a wait and no wait can finish (matching is done when an
 // operation is posted, so nothing further can change), every waiter's wait throws
 // Error(kTimeout, "... deadlock: ...") naming, for each rank, what it waits for (peer, tag, bytes).
-// Waits still respect their timeout. cancel() finishes an unmatched operation with kCanceled.
+// Waits still respect their timeout. A waiter in await() (the collectives' waits, which probe for
+// a different call between slices) is first woken, once per state of the world, to probe; a
+// deadlock is declared only when every rank blocks again with nothing posted or finished since.
+// probe() and discard() see the sends queued for a rank. cancel() finishes an unmatched operation
+// with kCanceled.
 //
 // Every rank records a trace of what it posts and waits for (trace(rank)); unmatched() lists what
 // is still posted, for the check that a collective left nothing behind.
