@@ -479,6 +479,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  if (!tensors.empty() && tensors[0].defined() && tensors[0].is_sparse()) {
+    return allreduce_sparse(tensors, opts);  // sparse_allreduce.cpp
+  }
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("allreduce", tensors);
   const Reduction r = to_reduction("allreduce", opts.reduceOp, t.scalar_type());
