@@ -289,13 +289,14 @@ SPARSE_CASES = {  # name: (sizes, sparse_dim, dtype)
     "rows": ((12, 3), 1, torch.float32),  # dense values per index (an embedding's gradient)
     "matrix": ((6, 5), 2, torch.float64),
     "int64": ((9, 2), 1, torch.int64),
+    "empty": ((7, 2), 1, torch.float64),  # no rank has a nonzero
 }
 
 
 def _sparse_input(rank, case):
     sizes, sdim, dtype = SPARSE_CASES[case]
     g = torch.Generator().manual_seed(100 * rank + len(case))
-    nnz = 0 if rank == 1 else 3 + 2 * rank  # rank 1 contributes nothing
+    nnz = 0 if rank == 1 or case == "empty" else 3 + 2 * rank  # rank 1 contributes nothing
     idx = torch.stack([torch.randint(0, sizes[d], (nnz,), generator=g) for d in range(sdim)])
     if nnz:
         idx[:, -1] = idx[:, 0]  # a duplicate index: an uncoalesced input
@@ -328,7 +329,7 @@ def _sparse_allreduce(ctx):
 def test_sparse_all_reduce_matches_gloo(ranks, ws):
     nnz = ranks.run(_sparse_allreduce, timeout=TIMEOUT)
     assert all(n == nnz[0] for n in nnz), nnz
-    assert all(v > 0 for v in nnz[0].values()), nnz[0]
+    assert nnz[0].pop("empty") == 0 and all(v > 0 for v in nnz[0].values()), nnz[0]
 
 
 def _sparse_refusals(ctx):
