@@ -1,5 +1,6 @@
 """The PyTorch stack above DDP on the backend under test, each check against the same run on gloo
-(``ctx.ref`` or a gloo mesh over the same ranks), at world size 4 on the pooled ranks:
+(``ctx.ref`` or a gloo mesh over the same ranks), at world size 4 on the pooled ranks (sparse
+all_reduce at 1 and 3 as well):
 
 * FSDP2 (``fully_shard``) training a small float64 model: losses and parameters equal to gloo's
   run within the tolerance DDP meets (test_ddp.py: rtol=1e-12, atol=1e-14; 4 ranks may add in a
@@ -29,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from helpers import expect_raises, health_check, mentions
 from suite import BACKEND, worlds
 
-pytestmark = [pytest.mark.ucx, worlds(4)]
+pytestmark = pytest.mark.ucx
 
 STEPS = 3
 TIMEOUT = 90
@@ -111,6 +112,7 @@ def _fsdp_vs_gloo(ctx):
     return worst
 
 
+@worlds(4)
 def test_fsdp2_matches_gloo(ranks, ws):
     ranks.run(_fsdp_vs_gloo, timeout=TIMEOUT)
 
@@ -177,6 +179,7 @@ def _mesh2d_vs_gloo(ctx):
     return mine["dp ranks"], mine["tp ranks"]
 
 
+@worlds(4)
 def test_device_mesh_2d_and_dtensor_match_gloo(ranks, ws):
     groups = ranks.run(_mesh2d_vs_gloo, timeout=TIMEOUT)
     # the (2, 2) mesh [[0, 1], [2, 3]]: dp pairs a column, tp a row
@@ -222,6 +225,7 @@ def _checkpoint_round_trip(ctx, name):
     return sorted(saved["mine"])
 
 
+@worlds(4)
 def test_distributed_checkpoint_round_trip(ranks, ws):
     keys = ranks.run(_checkpoint_round_trip, "dcp", timeout=TIMEOUT)
     assert keys[0] == ["0.bias", "0.weight", "2.bias", "2.weight"], keys[0]
@@ -279,6 +283,7 @@ def _objects_vs_gloo(ctx):
         raise AssertionError(f"rank {ctx.rank}: " + "; ".join(bad))
 
 
+@worlds(4)
 def test_object_collectives_match_gloo(ranks, ws):
     ranks.run(_objects_vs_gloo, timeout=TIMEOUT)
 
@@ -326,6 +331,7 @@ def _sparse_allreduce(ctx):
     return out
 
 
+@worlds(1, 3, 4)  # 3: allgatherv off the power-of-two paths
 def test_sparse_all_reduce_matches_gloo(ranks, ws):
     nnz = ranks.run(_sparse_allreduce, timeout=TIMEOUT)
     assert all(n == nnz[0] for n in nnz), nnz
@@ -352,6 +358,7 @@ def _sparse_refusals(ctx):
 
 
 @pytest.mark.ucx_semantics
+@worlds(4)
 def test_sparse_refusals_name_the_op(ranks, ws):
     for rank, out in enumerate(ranks.run(_sparse_refusals, timeout=TIMEOUT)):
         for key, words in (("max", ("allreduce", "sparse", "SUM")), ("broadcast", ("broadcast", "sparse")),
@@ -406,6 +413,7 @@ def _ddp_sparse_vs_gloo(ctx):
             _close(f"parameter {i}", a, b)
 
 
+@worlds(4)
 def test_ddp_sparse_embedding_matches_gloo(ranks, ws):
     ranks.run(_ddp_sparse_vs_gloo, timeout=TIMEOUT)
 
@@ -421,6 +429,7 @@ def _torch_refusals(ctx):
 
 
 @pytest.mark.ucx_semantics
+@worlds(4)
 def test_torch_refusals_are_clear(ranks, ws):
     for rank, out in enumerate(ranks.run(_torch_refusals, timeout=TIMEOUT)):
         r = out["wrapper"]
