@@ -64,8 +64,9 @@ TEST(TensorChecks, Contiguity) {
       "tensor must be contiguous (sizes [3, 4], strides [1, 3]); call .contiguous() first");
   expect_message(refusal([] { cd::check_tensor("send", at::Tensor(), "input"); }), "send",
                  "input is undefined");
-  expect_message(refusal([] { cd::check_tensor("allreduce", f32(4).to_sparse()); }), "allreduce",
-                 "tensor must be dense (got a sparse tensor)");
+  expect_message(refusal([] { cd::check_tensor("broadcast", f32(4).to_sparse()); }), "broadcast",
+                 "tensor must be dense (got a sparse tensor; only allreduce takes sparse COO "
+                 "tensors)");
 }
 
 TEST(TensorChecks, DeviceCommuxCannotCarry) {

@@ -490,6 +490,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  if (!tensors.empty() && tensors[0].defined() && tensors[0].is_sparse()) {
+    return allreduce_sparse(tensors, opts);  // sparse_allreduce.cpp
+  }
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
   at::Tensor t = single("allreduce", tensors);
   const Reduction r = to_reduction("allreduce", opts.reduceOp, t.scalar_type());
@@ -835,7 +838,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::broadcast(std::vector<at::Tensor
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
-  return impl_->checked("allreduce", 1, [&] { return impl_->allreduce(tensors, opts); });
+  // A sparse allreduce takes three tags (sparse_allreduce.cpp), a dense one one.
+  const bool sparse = tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse();
+  return impl_->checked("allreduce", sparse ? 3 : 1, [&] { return impl_->allreduce(tensors, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {

@@ -61,6 +61,9 @@ struct ProcessGroupUCX::Impl {
                                            const c10d::BroadcastOptions& opts);
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts);
+  // allreduce of a sparse COO tensor (SUM), as Gloo does it (sparse_allreduce.cpp).
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts);
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts);
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,

@@ -12,7 +12,9 @@ namespace commux::c10d_detail {
 void check_tensor(const char* op, const at::Tensor& t, const char* what) {
   if (!t.defined()) invalid(op, std::string(what) + " is undefined");
   if (t.layout() != at::kStrided)
-    invalid(op, std::string(what) + " must be dense (got a sparse tensor)");
+    invalid(op,
+            std::string(what) +
+                " must be dense (got a sparse tensor; only allreduce takes sparse COO tensors)");
   if (!t.is_contiguous()) {
     invalid(op, std::string(what) + " must be contiguous (sizes " + c10::str(t.sizes()) +
                     ", strides " + c10::str(t.strides()) + "); call .contiguous() first");
