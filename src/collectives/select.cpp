@@ -147,10 +147,10 @@ void log_choice(const Context& ctx, Coll c, int n, std::size_t bytes, const char
                 const std::string& why) {
   int cls = 0;  // 0: no bytes; k: [2^(k-1), 2^k)
   while (cls < 64 && (bytes >> cls) != 0) ++cls;
-  static std::mutex mu;
-  static auto* seen = new std::set<std::tuple<int, int, int, std::string>>;  // usable at exit
+  static auto* mu = new std::mutex;  // both never destroyed: usable at exit
+  static auto* seen = new std::set<std::tuple<int, int, int, std::string>>;
   {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<std::mutex> g(*mu);
     if (!seen->emplace(static_cast<int>(c), n, cls, name).second) return;
   }
   const std::string size =
