@@ -288,7 +288,9 @@ def _tail(path: str, n: int = 3000) -> str:
 def _start(args, tmp: str, port: int) -> list[subprocess.Popen]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if env.get("COMMUX_DEBUG", "").upper() != "TRACE":
+    from commux import _C
+
+    if _C.settings()["COMMUX_DEBUG"]["text"].upper() != "TRACE":  # the ranks log at least INFO
         env["COMMUX_DEBUG"] = "INFO"
     env["COMMUX_DEBUG_FILE"] = os.path.join(tmp, "commux.%p.log")
     procs = []
