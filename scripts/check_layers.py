@@ -5,8 +5,9 @@
                 include/commux/, whose headers users compile against without UCX)
   torch         torch (torch/ ATen/ c10/) and pybind11 stay out of src/core/, src/collectives/ and
                 every include/commux/ header except include/commux/process_group_ucx.hpp
-  core-private  src/collectives/ uses src/core only through its public headers (include/commux/)
-                and the internal channel header src/core/channel.hpp: no other src/core header
+  core-private  src/collectives/ uses src/core only through its public headers (include/commux/),
+                the internal channel header src/core/channel.hpp and the debug log's
+                src/core/log.hpp (torch- and UCX-free): no other src/core header
   pybind11      pybind11 (also through torch's pybind headers) is included only in src/bindings/
 
 Prints one line per violation, "file:line: [rule] what", and exits 1 if there is any (2 when
@@ -30,7 +31,7 @@ TORCH = re.compile(r"^(torch|ATen|c10)/")
 PYBIND = re.compile(r"^(pybind11/|torch/(extension\.h|python\.h|csrc/utils/pybind\.h))")
 
 TORCH_HEADER_ALLOWED = "include/commux/process_group_ucx.hpp"
-CHANNEL_HEADER = "src/core/channel.hpp"
+CORE_HEADERS_FOR_COLLECTIVES = ("src/core/channel.hpp", "src/core/log.hpp")
 
 
 def sources(root: str):
@@ -85,9 +86,10 @@ def check_file(rel: str, text: str):
                    f"src/c10d, src/bindings and {TORCH_HEADER_ALLOWED})")
         if in_coll and quote == '"':
             target = core_target(rel, inc)
-            if target is not None and target != CHANNEL_HEADER:
+            if target is not None and target not in CORE_HEADERS_FOR_COLLECTIVES:
                 yield (f"{where}: [core-private] \"{inc}\" is src/core's private {target}; "
-                       f"src/collectives/ may include only {CHANNEL_HEADER} of src/core")
+                       f"src/collectives/ may include only {' and '.join(CORE_HEADERS_FOR_COLLECTIVES)} "
+                       "of src/core")
         if PYBIND.match(inc) and not in_bindings:
             yield f"{where}: [pybind11] <{inc}> included outside src/bindings/"
 

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 
 #include "commux/communicator.hpp"
 #include "commux/transports.hpp"
+#include "log.hpp"
 #include "harness.hpp"
 
 using namespace commux;
@@ -471,4 +473,61 @@ TEST(RuntimeInfoTest, SupportsReadsUcxMemoryTypeNames) {
 
   RuntimeInfo none;  // even an empty list: host memory is always carried
   EXPECT_TRUE(none.supports(MemoryType::kHost));
+}
+
+// ---- the debug log (src/core/log.hpp) ------------------------------------------------------------
+
+TEST(Settings, DebugLevelParsesAnyCaseAndRejectsOthers) {
+  EXPECT_EQ(parse_env({}).debug, 0);
+  EXPECT_EQ(parse_env({{"COMMUX_DEBUG", "warn"}}).debug, 1);
+  EXPECT_EQ(parse_env({{"COMMUX_DEBUG", "INFO"}}).debug, 2);
+  EXPECT_EQ(parse_env({{"COMMUX_DEBUG", "Trace"}}).debug, 3);
+  EXPECT_EQ(parse_env({{"COMMUX_DEBUG", "off"}}).debug, 0);
+  EXPECT_EQ(parse_env({{"COMMUX_DEBUG_FILE", "/tmp/x.%p"}}).debug_file, "/tmp/x.%p");
+  EXPECT_EQ(
+      parse_error({{"COMMUX_DEBUG", "VERBOSE"}}),
+      "commux settings: COMMUX_DEBUG='VERBOSE' is not a log level (off, WARN, INFO or TRACE)");
+}
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::string out;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    std::size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+    std::fclose(f);
+  }
+  return out;
+}
+
+int g_evaluated = 0;
+std::string counted() {
+  ++g_evaluated;
+  return "x";
+}
+
+}  // namespace
+
+TEST(Log, LinesCarryHostPidRankAndLevelAndRespectTheLevel) {
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof host - 1), 0);
+  const std::string path = "/tmp/commux-log-test-%p.log";
+  const std::string real = "/tmp/commux-log-test-" + std::to_string(::getpid()) + ".log";
+  std::remove(real.c_str());
+  log::reset_for_testing(log::Level::kInfo, path);
+  COMMUX_LOG(kInfo, 3, "peer ", 1, ": lanes ", "tcp/lo");
+  COMMUX_LOG(kWarn, -1, "no rank yet");
+  g_evaluated = 0;
+  COMMUX_LOG(kTrace, 3, "never ", counted());
+  EXPECT_EQ(g_evaluated, 0) << "a disabled level must not build its message";
+  const std::string prefix = std::string(host) + ":" + std::to_string(::getpid());
+  EXPECT_EQ(read_file(real), prefix + " [rank 3] commux INFO peer 1: lanes tcp/lo\n" + prefix +
+                                 " [rank -] commux WARN no rank yet\n");
+  log::reset_for_testing(log::Level::kOff, "");
+  COMMUX_LOG(kWarn, 0, "off ", counted());
+  EXPECT_EQ(g_evaluated, 0);
+  EXPECT_FALSE(log::enabled(log::Level::kWarn));
+  std::remove(real.c_str());
 }

@@ -20,8 +20,9 @@ namespace commux {
 
 struct Setting {
   const char* name;           // "COMMUX_SPIN_US"
-  const char* type;           // "bool", "int", "auto/on/off", "cpu/cuda", "name", "path" or
-                              // "secret" (printed as "(set)", never shown)
+  const char* type;           // "bool", "int", "auto/on/off", "cpu/cuda", "name", "path",
+                              // "level" (off, WARN, INFO, TRACE; any case) or "secret" (printed
+                              // as "(set)", never shown)
   const char* default_value;  // as documented: "off", "100", "auto"; "-" for none
   bool per_communicator;      // read at each Communicator's creation (else once per process)
   const char* meaning;        // one line, as in the README's settings table
@@ -45,6 +46,8 @@ struct Settings {
   // Once per process.
   bool ep_aten = false;       // COMMUX_EP_ATEN
   std::string store_token;    // COMMUX_STORE_TOKEN, "" = none
+  int debug = 0;              // COMMUX_DEBUG: 0 off, 1 WARN, 2 INFO, 3 TRACE (src/core/log.hpp)
+  std::string debug_file;     // COMMUX_DEBUG_FILE, "" = stderr
   bool device_cuda = false;   // UCXPG_DEVICE=cuda (test driver)
   bool bench = false;         // COMMUX_BENCH (test driver)
   long bench_v = 1;           // COMMUX_BENCH_V (test driver)

@@ -17,6 +17,7 @@ CLEAN = {
         '#include "../../core/channel.hpp"\n#include "commux/communicator.hpp"\n'
         '#include "../exchange.hpp"\n'),
     "src/collectives/select.cpp": '#include "core/channel.hpp"\n#include <vector>\n',
+    "src/collectives/algo.hpp": '#include "../core/log.hpp"\n',
     "src/c10d/work.hpp": "#include <ATen/ATen.h>\n#include <torch/csrc/distributed/c10d/Work.hpp>\n",
     "src/bindings/python.cpp": "#include <pybind11/pybind11.h>\n#include <torch/csrc/utils/pybind.h>\n",
     "include/commux/process_group_ucx.hpp": "#include <torch/csrc/distributed/c10d/Backend.hpp>\n",

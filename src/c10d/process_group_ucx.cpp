@@ -18,6 +18,7 @@
 #include "commux/error.hpp"
 #include "commux/settings.hpp"
 #include "../core/channel.hpp"
+#include "../core/log.hpp"
 #include "device.hpp"
 #include "errors.hpp"
 #include "process_group_ucx_internal.hpp"
@@ -146,6 +147,8 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   aten_on_cpu_ = commux::Settings::from_environment().aten_reduce;  // read as the group is created
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
   worker_ = std::thread([this] { worker_loop(); });
+  COMMUX_LOG(kInfo, rank, "torch backend '", name_, "': process group '", group_name_,
+             "' is commux group ", o.group, ", rank ", rank, " of ", size);
 }
 
 ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

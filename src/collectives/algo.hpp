@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "../core/log.hpp"
 #include "internal.hpp"
 
 namespace commux::coll::detail {
@@ -133,6 +134,31 @@ const Table<RootedArgs>& scatter_table();
 // `source` says where it came from, for error messages.
 std::string forced_name(const Context& ctx, Coll c, const char** source);
 void set_last_algorithm(const char* name) noexcept;
+// The debug log's INFO line for a choice, written the first time this process runs collective `c`
+// on `n` ranks with a message of `bytes`' size class (powers of two) and that algorithm; `why`
+// says who chose it ("the selector", "COMMUX_ALGO_ALLREDUCE", ...).
+void log_choice(const Context& ctx, Coll c, int n, std::size_t bytes, const char* name,
+                const std::string& why);
+
+// The bytes a call moves, as the size class of log_choice sees it (per rank, the whole message).
+inline std::size_t call_bytes(int, const AllreduceArgs& a) { return a.count * dtype_size(a.t); }
+inline std::size_t call_bytes(int, const BroadcastArgs& a) { return a.bytes; }
+inline std::size_t call_bytes(int, const ReduceArgs& a) { return a.count * dtype_size(a.t); }
+inline std::size_t call_bytes(int n, const AllgatherArgs& a) {
+  std::size_t b = 0;
+  for (int p = 0; p < n; ++p) b += a.counts[p];
+  return b;
+}
+inline std::size_t call_bytes(int n, const ReduceScatterArgs& a) {
+  return a.off[n] * dtype_size(a.t);
+}
+inline std::size_t call_bytes(int n, const AlltoallArgs& a) {
+  std::size_t b = 0;
+  for (int p = 0; p < n; ++p) b += a.send_counts[p];
+  return b;
+}
+inline std::size_t call_bytes(int, const BarrierArgs&) { return 0; }
+inline std::size_t call_bytes(int, const RootedArgs& a) { return a.bytes; }
 [[noreturn]] void unknown_algorithm(const Context& ctx, Coll c, const char* name,
                                     const char* source);
 
@@ -222,6 +248,13 @@ const Algorithm<A>& choose(Exchange& ex, const Table<A>& tab, int n, const A& a,
   }
   id.algo = chosen->name;
   ex.identify(id);
+  if (log::enabled(log::Level::kInfo)) {
+    const bool was_forced = !forced.empty() && forced == chosen->name;
+    log_choice(ctx, tab.coll, n, call_bytes(n, a), chosen->name,
+               was_forced       ? std::string(source)
+               : forced.empty() ? std::string("the selector")
+                                : "the selector (the forced " + forced + " declined this call)");
+  }
   return *chosen;
 }
 

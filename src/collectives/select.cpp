@@ -5,7 +5,9 @@
 #include <atomic>
 #include <cctype>
 #include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "algo.hpp"
@@ -125,6 +127,39 @@ std::string forced_name(const Context& ctx, Coll c, const char** source) {
 }
 
 void set_last_algorithm(const char* name) noexcept { t_last = name; }
+
+namespace {
+
+// "64 KiB" for a power of two.
+std::string pow2_text(std::size_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return std::to_string(b) + " " + units[u];
+}
+
+}  // namespace
+
+void log_choice(const Context& ctx, Coll c, int n, std::size_t bytes, const char* name,
+                const std::string& why) {
+  int cls = 0;  // 0: no bytes; k: [2^(k-1), 2^k)
+  while (cls < 64 && (bytes >> cls) != 0) ++cls;
+  static auto* mu = new std::mutex;  // both never destroyed: usable at exit
+  static auto* seen = new std::set<std::tuple<int, int, int, std::string>>;
+  {
+    std::lock_guard<std::mutex> g(*mu);
+    if (!seen->emplace(static_cast<int>(c), n, cls, name).second) return;
+  }
+  const std::string size =
+      cls == 0 ? std::string("0 bytes")
+               : "[" + pow2_text(std::size_t{1} << (cls - 1)) + ", " +
+                     (cls < 64 ? pow2_text(std::size_t{1} << cls) : std::string("inf")) + ")";
+  COMMUX_LOG(kInfo, ctx.comm != nullptr ? ctx.comm->rank() : -1, coll_name(c), " on ", n,
+             " ranks, ", size, ": ", name, " (chosen by ", why, ")");
+}
 
 void unknown_algorithm(const Context& ctx, Coll c, const char* name, const char* source) {
   Exchange::invalid(ctx, std::string("unknown ") + coll_name(c) + " algorithm '" + name +

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <set>
 
+#include "lanes.hpp"
 #include "ucx_config.hpp"
 
 namespace commux::detail {
@@ -73,6 +74,7 @@ void Engine::start() {
                        tls_excludes_shared_memory(std::getenv("UCX_TLS")));
   context_.create(wakeup, static_cast<std::size_t>(size_), info_);
   worker_.create(context_.handle(), wakeup, info_);
+  log_engine_start(rank_, size_, options_.group, info_);
   peers_.connect(*store_, options_);
   worker_.start_progress_thread();
   {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "engine.hpp"
+#include "log.hpp"
 #include "status.hpp"
 
 namespace commux::detail {
@@ -107,6 +108,7 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
   // An any-source receive in parts learns its sender from part 0, then posts the rest.
   const bool later_rest = kind == Op::Kind::kRecv && peer == kAnySource && nparts > 1;
   op->remaining = later_rest ? 1 : static_cast<int>(nparts);
+  COMMUX_LOG(kTrace, rank_, "post ", name, " ", describe(*op));
   post_locked(op, 0, fast_completion);
   return op;
 }
@@ -278,6 +280,9 @@ void Engine::finish_locked(Op& op) {
         op.status, ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
         describe(op)));
   }
+  COMMUX_LOG(kTrace, rank_, "done ", op.name, " ", describe(op), ": ", op.bytes, " bytes moved",
+             op.kind == Op::Kind::kRecv ? log::cat(" from ", op.source) : std::string(),
+             op.error ? " (failed)" : "");
   const std::shared_ptr<Op> keep =
       worker_.unregister_locked(op);  // keeps op alive to the end of this
   op.done.store(true);

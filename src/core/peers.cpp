@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "lanes.hpp"
 #include "op.hpp"
 #include "status.hpp"
 #include "worker.hpp"
@@ -77,6 +78,7 @@ void Peers::connect(Store& store, const Options& options) {
       continue;
     }
     check_status(created, "init: connecting to peer " + std::to_string(peer));
+    log_peer_lanes(rank_, peer, options.group, pr.same_host, pr.ep);
   }
 }
 

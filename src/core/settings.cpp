@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "commux/error.hpp"
+#include "log.hpp"
 
 namespace commux {
 
@@ -61,6 +62,13 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_STORE_TOKEN", "secret", "-", kOnce,
        "TcpStore: a shared secret every client presents on connecting; the server closes a "
        "connection whose token differs (unset: no check)"},
+      {"COMMUX_DEBUG", "level", "off", kOnce,
+       "debug log on stderr, NCCL_DEBUG-style, each line prefixed with host, pid and rank: WARN "
+       "(problems), INFO (UCX version, transports and memory types, the lanes per peer, the "
+       "algorithm per collective and size class at first use), TRACE (every operation posted and "
+       "completed, with peer, tag and bytes)"},
+      {"COMMUX_DEBUG_FILE", "path", "-", kOnce,
+       "write the debug log to this file instead of stderr (appended; %h: host name, %p: pid)"},
       {"UCXPG_DEVICE", "cpu/cuda", "cpu", kOnce,
        "test_commux: where the driver's messages live (cuda: device memory)"},
       {"COMMUX_BENCH", "bool", "off", kOnce,
@@ -146,6 +154,12 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       out.cudart = text;
     } else if (name == "COMMUX_STORE_TOKEN") {
       out.store_token = text;
+    } else if (name == "COMMUX_DEBUG") {
+      log::Level l = log::Level::kOff;
+      if (!log::parse_level(text, &l)) bad(s, text, "a log level (off, WARN, INFO or TRACE)");
+      out.debug = static_cast<int>(l);
+    } else if (name == "COMMUX_DEBUG_FILE") {
+      out.debug_file = text;
     }
     // "name" (COMMUX_ALGO_<OP>): checked by the collectives, which know the algorithms.
   }
