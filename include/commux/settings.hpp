@@ -45,6 +45,7 @@ struct Settings {
   // Once per process.
   bool ep_aten = false;       // COMMUX_EP_ATEN
   std::string store_token;    // COMMUX_STORE_TOKEN, "" = none
+  std::string trace_dump;     // COMMUX_TRACE_DUMP, "" = no dumps (src/c10d/flight_recorder.hpp)
   bool device_cuda = false;   // UCXPG_DEVICE=cuda (test driver)
   bool bench = false;         // COMMUX_BENCH (test driver)
   long bench_v = 1;           // COMMUX_BENCH_V (test driver)

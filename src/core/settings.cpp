@@ -61,6 +61,11 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_STORE_TOKEN", "secret", "-", kOnce,
        "TcpStore: a shared secret every client presents on connecting; the server closes a "
        "connection whose token differs (unset: no check)"},
+      {"COMMUX_TRACE_DUMP", "path", "-", kOnce,
+       "the torch backend writes each process's record of recent collectives (JSON) to "
+       "<dir>/commux_trace_<rank>.json (a directory) or <prefix><rank>.json when a collective "
+       "times out, when another rank's times out, and on SIGUSR1 (unset: no files, SIGUSR1 "
+       "untouched)"},
       {"UCXPG_DEVICE", "cpu/cuda", "cpu", kOnce,
        "test_commux: where the driver's messages live (cuda: device memory)"},
       {"COMMUX_BENCH", "bool", "off", kOnce,
@@ -146,6 +151,8 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       out.cudart = text;
     } else if (name == "COMMUX_STORE_TOKEN") {
       out.store_token = text;
+    } else if (name == "COMMUX_TRACE_DUMP") {
+      out.trace_dump = text;
     }
     // "name" (COMMUX_ALGO_<OP>): checked by the collectives, which know the algorithms.
   }
