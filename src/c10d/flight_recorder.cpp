@@ -18,6 +18,7 @@
 
 #include "commux/error.hpp"
 #include "commux/settings.hpp"
+#include "errors.hpp"
 
 namespace commux::c10d_detail {
 
@@ -344,10 +345,10 @@ std::string FlightRecorder::report(std::uint64_t seq, const char* op) {
       if (static_cast<int>(got.size()) == size_ || std::chrono::steady_clock::now() >= until) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-  } catch (const std::exception& e) {
+  } catch (...) {
     if (got.size() <= 1) {
-      return head + "the group's store could not be asked (" +
-             std::string(e.what()).substr(0, 200) + ")";
+      return head + "the group's store could not be asked (" + current_message().substr(0, 300) +
+             ")";
     }
   }
   std::vector<int> waiting, silent;
@@ -371,8 +372,11 @@ std::string FlightRecorder::report(std::uint64_t seq, const char* op) {
       parts.push_back(rs + " completed it");
     } else if (here != nullptr && here->state == "failed") {
       parts.push_back(rs + " failed in it");
+    } else if (here != nullptr && here->state == "timed_out" && a.has_issued &&
+               a.issued_seq > seq) {
+      parts.push_back(rs + " timed out in it and went on: " + what_it_last_did(a));
     } else if (here != nullptr) {
-      waiting.push_back(r);
+      waiting.push_back(r);  // running, or timed out just now as this rank did
     } else if (!a.has_issued || a.issued_seq < seq) {
       parts.push_back(rs + " has not reached this call: " + what_it_last_did(a));
     } else if (!a.entries.empty() && a.entries.front().seq > seq) {
