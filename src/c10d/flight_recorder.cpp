@@ -309,7 +309,10 @@ void FlightRecorder::answer(std::int64_t gen) {
 
 void FlightRecorder::poll() {
   try {
-    const std::int64_t gen = store_->add(kAskKey, 0);
+    // check + get, not add(key, 0): a FileStore appends a record for every add.
+    if (!store_->check({kAskKey})) return;
+    const std::vector<std::uint8_t> raw = store_->get(kAskKey);  // the counter, in decimal
+    const std::int64_t gen = std::stoll(std::string(raw.begin(), raw.end()));
     if (gen <= answered_) return;
     answer(gen);
     dump_all("asked by a rank whose collective timed out in group '" + group_ + "'");

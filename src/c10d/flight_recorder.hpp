@@ -17,8 +17,8 @@
 //   commux/trace/answer/<r>  rank r's answer: its state, tagged with the generation it answers
 // The asker answers for itself first, then waits up to kAnswerWait for every rank's answer of its
 // generation or later. The other ranks answer without their main thread: the group's worker
-// thread, while idle, reads the counter every kPollPeriod (one store request per second per group,
-// and none while the worker is running collectives); a rank blocked in a collective of the group
+// thread, while idle, checks for the counter every kPollPeriod (one store request per second per
+// group, none while the worker is running collectives); a rank blocked in a collective of the group
 // answers when that collective ends or times out. So a late rank that is busy in Python, sleeping
 // or stuck elsewhere still answers; a dead one is named as not answering.
 //
