@@ -48,6 +48,7 @@ struct Settings {
   std::string store_token;    // COMMUX_STORE_TOKEN, "" = none
   int debug = 0;              // COMMUX_DEBUG: 0 off, 1 WARN, 2 INFO, 3 TRACE (src/core/log.hpp)
   std::string debug_file;     // COMMUX_DEBUG_FILE, "" = stderr
+  std::string trace_dump;     // COMMUX_TRACE_DUMP, "" = no dumps (src/c10d/flight_recorder.hpp)
   bool device_cuda = false;   // UCXPG_DEVICE=cuda (test driver)
   bool bench = false;         // COMMUX_BENCH (test driver)
   long bench_v = 1;           // COMMUX_BENCH_V (test driver)

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <thread>
 #include <torch/csrc/utils/pybind.h>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -14,6 +15,7 @@
 #include "commux/process_group_ucx.hpp"
 #include "commux/transports.hpp"
 #include "../c10d/ep_kernels.hpp"
+#include "../c10d/work.hpp"
 
 namespace py = pybind11;
 
@@ -39,6 +41,21 @@ py::dict runtime_info() {
   d["spin_us"] = o.spin.count();
   d["shutdown_timeout_ms"] = o.shutdown_timeout.count();
   return d;
+}
+
+// Ctrl-C (src/c10d/work.hpp): a wait blocked in the backend on Python's main thread checks for
+// a pending signal every 100 ms; PyErr_CheckSignals runs the Python handler, and the exception it
+// raises (KeyboardInterrupt) leaves as error_already_set, which the pybind11 binding that called
+// into the backend (torch's Work.wait) restores in Python.
+std::thread::id g_python_main_thread;
+
+bool on_python_main_thread() {
+  return std::this_thread::get_id() == g_python_main_thread && Py_IsInitialized() != 0;
+}
+
+void check_python_signals() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
 
 commux::Accelerator parse_accelerator(const std::string& a) {
@@ -69,6 +86,13 @@ py::dict choose_transports(const std::string& accelerator,
 PYBIND11_MODULE(_C, m) {
   m.doc() = "commux: the UCX backend for torch.distributed (native part)";
   py::module_::import("torch.distributed");  // registers c10d's Backend and Store types
+  {
+    py::module_ threading = py::module_::import("threading");
+    if (threading.attr("current_thread")().is(threading.attr("main_thread")())) {
+      g_python_main_thread = std::this_thread::get_id();
+      commux::c10d_detail::set_interrupt_hook({&on_python_main_thread, &check_python_signals});
+    }
+  }
 
   py::class_<commux::ProcessGroupUCX, c10d::Backend, c10::intrusive_ptr<commux::ProcessGroupUCX>>(
       m, "ProcessGroupUCX")

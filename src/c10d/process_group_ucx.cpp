@@ -146,6 +146,7 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   // GPU. Not a speed-up: 1.03-1.35x slower than commux's kernels here (bench/experiments/aten_reduce_ab.py).
   aten_on_cpu_ = commux::Settings::from_environment().aten_reduce;  // read as the group is created
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
+  recorder_ = std::make_unique<c10d_detail::FlightRecorder>(store, rank, size, group_name_);
   worker_ = std::thread([this] { worker_loop(); });
   COMMUX_LOG(kInfo, rank, "torch backend '", name_, "': process group '", group_name_,
              "' is commux group ", o.group, ", rank ", rank, " of ", size);
@@ -216,13 +217,20 @@ void ProcessGroupUCX::Impl::worker_loop() {
     }
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+      // While idle, answer the other ranks' hang reports (flight_recorder.hpp).
+      while (!cv_.wait_for(lk, c10d_detail::FlightRecorder::kPollPeriod,
+                           [&] { return stopping_ || !queue_.empty(); })) {
+        lk.unlock();
+        recorder_->poll();
+        lk.lock();
+      }
       if (queue_.empty()) return;
       t = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
     }
     std::exception_ptr err;
+    recorder_->started(t->tag);
     try {
       if (any_dead_.load(std::memory_order_acquire)) drain_dead(t->tag);
       run(*t);
@@ -230,6 +238,7 @@ void ProcessGroupUCX::Impl::worker_loop() {
       err = std::current_exception();
       note_dead(t->tag, t->ntags);
     }
+    err = recorder_->finished(t->tag, err);  // a timeout gets the hang report
     t->body = nullptr;
     t->keep_alive.clear();
     t->finish(err);
@@ -297,6 +306,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
     t->tag = next_tag_;
     t->ntags = ntags;
     next_tag_ += ntags;
+    recorder_->issued(t->tag, op_name, bytes);
     ++collectives_issued_;
     t->spin = small ? spin_ : std::chrono::microseconds(0);
     queue_.push_back(t);

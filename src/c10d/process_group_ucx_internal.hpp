@@ -30,6 +30,7 @@
 #include "commux/communicator.hpp"
 #include "commux/process_group_ucx.hpp"
 #include "device.hpp"
+#include "flight_recorder.hpp"
 #include "watcher.hpp"
 #include "work.hpp"
 
@@ -177,6 +178,8 @@ struct ProcessGroupUCX::Impl {
   // Keeps unfinished p2p Works alive and completes their futures (shared with the Works through
   // weak_ptrs).
   std::shared_ptr<c10d_detail::FutureWatcher> watcher_;
+  // The collectives' recent history and the hang report (flight_recorder.hpp).
+  std::unique_ptr<c10d_detail::FlightRecorder> recorder_;
   bool shut_down_ = false;
 
   // Coalescing windows, per issuing thread; open_windows_ lets ops skip the lock when none is open

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "commux/error.hpp"
+#include "flight_recorder.hpp"
 #include "watcher.hpp"
 
 namespace commux::c10d_detail {
@@ -14,6 +15,37 @@ namespace commux::c10d_detail {
 c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future() {
   return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
 }
+
+// --- interrupts (Ctrl-C) ----------------------------------------------------------------------
+
+namespace {
+std::atomic<bool (*)()> g_interrupt_here{nullptr};
+std::atomic<void (*)()> g_interrupt_check{nullptr};
+thread_local std::uint64_t tl_interrupts = 0;
+}  // namespace
+
+void set_interrupt_hook(InterruptHook hook) noexcept {
+  g_interrupt_check.store(hook.check);
+  g_interrupt_here.store(hook.here);
+}
+
+bool interruptible() noexcept {
+  auto here = g_interrupt_here.load(std::memory_order_acquire);
+  return here != nullptr && g_interrupt_check.load(std::memory_order_acquire) != nullptr && here();
+}
+
+void check_interrupt() {
+  auto check = g_interrupt_check.load(std::memory_order_acquire);
+  if (check == nullptr) return;
+  try {
+    check();
+  } catch (...) {
+    ++tl_interrupts;
+    throw;
+  }
+}
+
+std::uint64_t interrupts_raised() noexcept { return tl_interrupts; }
 
 // --- Task / CollWork -------------------------------------------------------------------------
 
@@ -67,10 +99,26 @@ bool CollWork::wait(std::chrono::milliseconds timeout) {
     }
   }
   std::unique_lock<std::mutex> lk(task_->mu);
-  // The task itself fails at its deadline; the extra second only covers the wake-up.
-  const bool finished =
-      task_->cv.wait_for(lk, limit + std::chrono::seconds(timeout.count() > 0 ? 0 : 1),
-                         [&] { return task_->done; });
+  // The task itself fails at its deadline; the extra time covers its hang report (which asks the
+  // other ranks, FlightRecorder::kAnswerWait at most) and the wake-up.
+  const auto slack = timeout.count() > 0 ? std::chrono::milliseconds(0)
+                                         : FlightRecorder::kAnswerWait + std::chrono::seconds(1);
+  const auto until = Clock::now() + limit + slack;
+  const auto done = [&] { return task_->done; };
+  bool finished = false;
+  if (!interruptible()) {
+    finished = task_->cv.wait_until(lk, until, done);
+  } else {
+    // Ctrl-C: the KeyboardInterrupt leaves the collective running on the worker thread, in its
+    // place in the group's order (it completes, or fails at its deadline).
+    for (;;) {
+      finished = task_->cv.wait_until(lk, std::min(until, Clock::now() + kInterruptPoll), done);
+      if (finished || Clock::now() >= until) break;
+      lk.unlock();
+      check_interrupt();
+      lk.lock();
+    }
+  }
   if (!finished) {
     throw_torch_error(std::make_exception_ptr(
         Error(Errc::kTimeout, ErrorSite{task_->op_name, {}, task_->tag, {}, {}},
@@ -170,9 +218,61 @@ void P2PWork::release() {
   if (!w || w->release(this)) released_.store(true, std::memory_order_release);
 }
 
+void P2PWork::wait_request(std::chrono::milliseconds limit) {
+  if (!interruptible()) {
+    request_.wait(limit);
+    return;
+  }
+  const auto deadline = Clock::now() + limit;
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left <= kInterruptPoll) {
+      try {
+        request_.wait(std::max(left, std::chrono::milliseconds(0)));
+      } catch (const Error& e) {
+        if (e.code() != Errc::kTimeout) throw;
+        // The core names the last slice's length: the wait lasted `limit`.
+        std::string reason = e.reason();
+        const std::string lead = "Timed out after ";
+        const std::size_t ms = reason.find(" ms");
+        if (reason.compare(0, lead.size(), lead) == 0 && ms != std::string::npos) {
+          reason = lead + std::to_string(limit.count()) + reason.substr(ms);
+        }
+        throw Error(e.code(), e.site(), reason, e.still_posted());
+      }
+      return;
+    }
+    try {
+      request_.wait(kInterruptPoll);
+      return;
+    } catch (const Error& e) {
+      if (e.code() != Errc::kTimeout) throw;
+      if (request_.done()) {
+        if (auto err = request_.error()) std::rethrow_exception(err);
+        return;
+      }
+    }
+    try {
+      check_interrupt();
+    } catch (...) {
+      // Cancelled so that it cannot take a later message; the backend keeps it (and its tensors)
+      // until the cancellation has finished.
+      {
+        std::lock_guard<std::mutex> lk(future_mu_);
+        if (timeout_reason_.empty())
+          timeout_reason_ = "the wait was interrupted (KeyboardInterrupt)";
+      }
+      cancel_asked_.store(true);
+      request_.cancel();
+      throw;
+    }
+  }
+}
+
 bool P2PWork::wait(std::chrono::milliseconds timeout) {
   try {
-    request_.wait(timeout.count() > 0 ? timeout : default_timeout_);
+    wait_request(timeout.count() > 0 ? timeout : default_timeout_);
   } catch (const Error& e) {
     if (e.code() == Errc::kTimeout && !request_.done()) {
       cancel_after_timeout(e);  // returns when it matched while being cancelled
@@ -411,9 +511,11 @@ bool CoalescedWork::wait(std::chrono::milliseconds timeout) {
       left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
       if (left.count() <= 0) left = std::chrono::milliseconds(1);
     }
+    const std::uint64_t interrupts = interrupts_raised();
     try {
       w->wait(left);
     } catch (...) {
+      if (interrupts_raised() != interrupts) throw;  // Ctrl-C: at once
       if (!first) first = std::current_exception();
     }
   }

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -36,6 +37,24 @@ namespace commux::c10d_detail {
 using Clock = std::chrono::steady_clock;
 
 c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future();
+
+// Ctrl-C. A wait blocked in the backend (Work::wait of a collective, a barrier or a p2p operation)
+// polls for an interrupt every kInterruptPoll on the thread where one can arrive; the check throws
+// the exception the caller's binding re-raises (KeyboardInterrupt). The Python bindings install
+// the hook (src/bindings, the only pybind11 user); without one, waits block as before.
+//   here():  cheap, no lock: can the calling thread be interrupted (Python's main thread)?
+//   check(): throws when an interrupt is pending (it may take the GIL)
+struct InterruptHook {
+  bool (*here)() = nullptr;
+  void (*check)() = nullptr;
+};
+constexpr std::chrono::milliseconds kInterruptPoll{100};
+void set_interrupt_hook(InterruptHook hook) noexcept;
+bool interruptible() noexcept;
+// Runs the hook's check; counts what it throws on this thread (interrupts_raised()), so that a
+// Work waiting on several lets an interrupt through at once instead of collecting it as a failure.
+void check_interrupt();
+std::uint64_t interrupts_raised() noexcept;
 
 struct Task {
   const char* op_name = "";
@@ -111,6 +130,9 @@ class P2PWork final : public c10d::Work {
   // wait() timed out with `timeout`: cancel, wait up to cancel_bound_; returns when the request
   // matched after all, else throws the timeout saying whether it was cancelled.
   void cancel_after_timeout(const Error& timeout);
+  // request_.wait(limit), polling for an interrupt where one can arrive; an interrupted operation
+  // is cancelled (without waiting for the cancellation) before the interrupt propagates.
+  void wait_request(std::chrono::milliseconds limit);
   void release();         // the request has finished: the backend drops its reference now
   Error timeout_error();  // the timeout that had the request cancelled
   Request request_;

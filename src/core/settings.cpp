@@ -69,6 +69,11 @@ const std::vector<Setting>& settings_table() {
        "completed, with peer, tag and bytes)"},
       {"COMMUX_DEBUG_FILE", "path", "-", kOnce,
        "write the debug log to this file instead of stderr (appended; %h: host name, %p: pid)"},
+      {"COMMUX_TRACE_DUMP", "path", "-", kOnce,
+       "the torch backend writes each process's record of recent collectives (JSON) to "
+       "<dir>/commux_trace_<rank>.json (a directory) or <prefix><rank>.json when a collective "
+       "times out, when another rank's times out, and on SIGUSR1 (unset: no files, SIGUSR1 "
+       "untouched)"},
       {"UCXPG_DEVICE", "cpu/cuda", "cpu", kOnce,
        "test_commux: where the driver's messages live (cuda: device memory)"},
       {"COMMUX_BENCH", "bool", "off", kOnce,
@@ -160,6 +165,8 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       out.debug = static_cast<int>(l);
     } else if (name == "COMMUX_DEBUG_FILE") {
       out.debug_file = text;
+    } else if (name == "COMMUX_TRACE_DUMP") {
+      out.trace_dump = text;
     }
     // "name" (COMMUX_ALGO_<OP>): checked by the collectives, which know the algorithms.
   }
