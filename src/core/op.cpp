@@ -87,7 +87,7 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
   op->source = peer;
 
   std::lock_guard<std::mutex> lock(worker_.mutex());
-  if (worker_.shut_down_locked()) {
+  if (shut_down_ || worker_.shut_down_locked()) {
     throw Error(Errc::kCanceled,
                 ErrorSite{name, peer, tag, op->capacity, std::to_string(options_.group)},
                 "the communicator is shut down");
@@ -313,7 +313,7 @@ void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
 
 void Engine::cancel(Op& op) {
   std::lock_guard<std::mutex> lock(worker_.mutex());
-  if (op.done.load() || worker_.shut_down_locked()) return;
+  if (op.done.load() || shut_down_ || worker_.shut_down_locked()) return;
   op.cancel_parts_locked(worker_.handle());
 }
 
