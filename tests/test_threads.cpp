@@ -12,8 +12,10 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -196,6 +198,93 @@ TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
       }
     }
   }
+}
+
+// The threads of this process, from /proc/self/status.
+int process_threads() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+std::unique_ptr<Communicator> one_rank_comm(const std::shared_ptr<Store>& store, int i) {
+  Options o = default_test_options();
+  o.store_prefix = "comm" + std::to_string(i);  // one store, separate keys
+  return std::make_unique<Communicator>(store, 0, 1, o);
+}
+
+// The communicators of one process share one UCX worker and its progress thread: the 2nd to 16th
+// add no thread, each takes its own group id, and a message sent on one is received on that one
+// only, although every one receives from the same peer (itself) on the same user tag. Shutting
+// one down cancels its own receive and leaves the others' working.
+TEST(Threads, CommunicatorsOfAProcessShareOneWorker) {
+  constexpr int kComms = 16;
+  TempDir dir;
+  auto store = dir.store();
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.push_back(one_rank_comm(store, 0));
+  const int threads = process_threads();
+  for (int i = 1; i < kComms; ++i) comms.push_back(one_rank_comm(store, i));
+  EXPECT_EQ(process_threads(), threads)
+      << "each communicator added threads (its own UCX worker and progress thread?)";
+  std::set<int> ids;
+  for (auto& c : comms) ids.insert(c->options().group);
+  EXPECT_EQ(ids.size(), static_cast<std::size_t>(kComms)) << "two communicators share a group id";
+
+  std::vector<std::int32_t> in(kComms, -1), out(kComms);
+  std::vector<Request> recvs;
+  for (int i = 0; i < kComms; ++i) recvs.push_back(comms[i]->irecv(Buffer{&in[i], 4}, 0, 5));
+  for (int i = kComms - 1; i >= 0; --i) {
+    out[i] = 1000 + i;
+    comms[i]->send({Buffer{&out[i], 4}}, 0, 5);
+  }
+  for (int i = 0; i < kComms; ++i) {
+    recvs[i].wait(std::chrono::seconds(20));
+    EXPECT_EQ(in[i], 1000 + i) << "communicator " << i << " received another one's message";
+  }
+
+  std::int32_t a = -1, b = -1, v = 7;
+  Request survives = comms[1]->irecv(Buffer{&b, 4}, 0, 6);
+  Request doomed = comms[0]->irecv(Buffer{&a, 4}, 0, 6);
+  comms[0]->shutdown();
+  try {
+    doomed.wait(std::chrono::seconds(20));
+    ADD_FAILURE() << "the shut-down communicator's receive completed";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCanceled) << e.what();
+  }
+  comms[1]->send({Buffer{&v, 4}}, 0, 6);
+  survives.wait(std::chrono::seconds(20));
+  EXPECT_EQ(b, 7);
+  EXPECT_EQ(a, -1);
+}
+
+// Every live communicator of a process holds one of the 256 group ids: the 257th fails with an
+// error saying so (and creates nothing); once one is shut down, its id serves a new one.
+TEST(Threads, GroupIdsRunOutWithAClearError) {
+  TempDir dir;
+  auto store = dir.store();
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int i = 0; i < tag_layout::kMaxGroups; ++i) comms.push_back(one_rank_comm(store, i));
+  try {
+    one_rank_comm(store, tag_layout::kMaxGroups);
+    ADD_FAILURE() << "a 257th communicator was created";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no free group id"), std::string::npos) << e.what();
+  }
+  const int freed = comms[5]->options().group;
+  comms[5].reset();
+  auto again = one_rank_comm(store, tag_layout::kMaxGroups + 1);
+  EXPECT_EQ(again->options().group, freed);
+  std::int32_t x = 3, y = 0;
+  Request r = again->irecv(Buffer{&y, 4}, 0, 1);
+  again->send({Buffer{&x, 4}}, 0, 1);
+  r.wait(std::chrono::seconds(20));
+  EXPECT_EQ(y, 3);
 }
 
 }  // namespace

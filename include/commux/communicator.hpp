@@ -1,7 +1,8 @@
 // commux/communicator.hpp -- torch-free, MPI-style tagged point-to-point over UCX.
 //
-// A Communicator joins `size` processes (found through a Store) with one UCX worker per process
-// and one endpoint per peer. isend/irecv are non-blocking and return a Request:
+// A Communicator joins `size` processes (found through a Store) with one endpoint per peer; the
+// Communicators of a process share one UCX worker and progress thread (their group ids, agreed at
+// creation, keep their messages apart). isend/irecv are non-blocking and return a Request:
 //   * a receive matches exactly on (sender, tag); kAnySource matches any sender and Request::source()
 //     reports the real one;
 //   * messages on the same (sender, tag) match in posting order; different tags may be posted in
@@ -65,7 +66,10 @@ struct Options {
   // thread polls with an exponential backoff (5 us .. 1 ms while work is in flight).
   enum class Wakeup : std::uint8_t { kAuto, kOn, kOff };
   Wakeup wakeup = Wakeup::kAuto;
-  // Group id carried in every tag (0 .. 255).
+  // Group id carried in every tag (0 .. 255): the first one tried. At creation the members agree,
+  // through the store, on the first id at or after it that no member process has in use, so the
+  // Communicators of a process can share one UCX worker; options().group reports the id taken.
+  // Creation fails (kInvalidArgument) when all 256 are in use. Every member must pass the same.
   int group = 0;
   // Keys in the store are "<store_prefix>/...".
   std::string store_prefix = "commux";

@@ -7,16 +7,20 @@
 //   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, ucx);
 //
 // Threads and progress: point-to-point operations are posted on the caller's thread and progress in
-// commux's background progress thread (docs/progress.md). Collectives are queued, in call order, to
-// one worker thread per group that runs the algorithms of <commux/collectives.hpp>; every rank of a
-// group must issue its collectives in the same order (as with every torch backend).
+// commux's background progress thread (docs/progress.md). Collectives are queued per group, in call
+// order; a thread of a pool shared by every group of the process runs a group's queue, one
+// collective at a time, while it is not empty (a group with nothing queued holds no thread, and
+// groups with collectives at the same time each get a thread), with the algorithms of
+// <commux/collectives.hpp>; every rank of a group must issue its collectives in the same order (as
+// with every torch backend).
 //
 // Ownership: the backend (not the Work) owns every in-flight operation together with the tensors
 // it reads or writes, so a Work dropped before completion never frees memory UCX still uses.
 // A Work keeps its output tensors and reports them through result() and getFuture().
 //
 // Groups: each ProcessGroupUCX (the default group and every new_group) has its own Communicator,
-// i.e. its own UCX worker and endpoints, so groups cannot cross-talk.
+// i.e. its own endpoints and group id; the Communicators of a process share one UCX worker and
+// progress thread, and the group id in every message keeps the groups from cross-talk.
 #pragma once
 
 #include <chrono>
@@ -145,13 +149,13 @@ class ProcessGroupUCX : public c10d::Backend {
       const std::vector<std::vector<std::int64_t>>& recv_capacity,
       std::chrono::milliseconds timeout);
 
-  // Cancels what is still in flight (its Works fail with "shut down"), stops the worker thread and
-  // closes the endpoints; bounded by COMMUX_SHUTDOWN_TIMEOUT_MS. Idempotent; the destructor calls it.
+  // Cancels what is still in flight (its Works fail with "shut down"), waits for the collective
+  // running (if any) to end and closes the endpoints; bounded by COMMUX_SHUTDOWN_TIMEOUT_MS. Idempotent; the destructor calls it.
   void shutdown() override;
   void abort() override { shutdown(); }
 
  private:
-  // The backend's state (communicator, worker thread and queue, in-flight operations, streams,
+  // The backend's state (communicator, collective queue, in-flight operations, streams,
   // coalescing windows) lives in src/c10d (process_group_ucx_internal.hpp), not in this header.
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -32,6 +32,7 @@ MARKERS = {
     "ucx_semantics": "checks behaviour promised by commux beyond gloo's (error texts, AVG...): "
                      "skipped when COMMUX_TEST_BACKEND=gloo",
     "oneoff": "starts its own fresh ranks (kills ranks, needs a fresh group, or launches torchrun)",
+    "soak": "a long loop of mixed operations that checks resident memory stays flat (1 minute)",
 }
 
 

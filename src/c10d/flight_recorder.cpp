@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
@@ -74,6 +75,21 @@ std::vector<const FlightRecorder*>& registry() {
 int& registry_rank() {  // the rank of the first group created (the default group's)
   static int rank = -1;
   return rank;
+}
+
+// The answering thread: one per process (not one per group: groups hold no thread while idle,
+// src/c10d/pool.hpp), polling every recorder's store every kPollPeriod while any recorder exists,
+// ending when the last one goes. poll_mu is held while it polls, so a recorder is destroyed only
+// between two rounds (lock order: poll_mu, then registry_mu).
+struct Poller {
+  std::mutex poll_mu;
+  std::mutex mu;  // guards running and wakes the thread
+  std::condition_variable cv;
+  bool running = false;
+};
+Poller& poller() {
+  static auto* p = new Poller;  // never destroyed: the detached thread may outlive statics
+  return *p;
 }
 
 // SIGUSR1: the handler writes a byte to a pipe; a thread (started with the handler, only when
@@ -203,9 +219,39 @@ FlightRecorder::FlightRecorder(c10::intrusive_ptr<c10d::Store> store, int rank, 
     if (registry_rank() < 0) registry_rank() = rank;
   }
   if (!settings().trace_dump.empty()) install_signal_dump_once();
+  start_poller();
+}
+
+void FlightRecorder::start_poller() {
+  Poller& p = poller();
+  std::lock_guard<std::mutex> lk(p.mu);
+  if (p.running) return;
+  p.running = true;
+  std::thread([] {
+    Poller& q = poller();
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(q.mu);
+        q.cv.wait_for(lk, kPollPeriod);
+      }
+      std::lock_guard<std::mutex> round(q.poll_mu);
+      std::vector<const FlightRecorder*> all;
+      {
+        std::lock_guard<std::mutex> lk(registry_mu());
+        all = registry();
+        if (all.empty()) {
+          std::lock_guard<std::mutex> lk2(q.mu);
+          q.running = false;
+          return;
+        }
+      }
+      for (const FlightRecorder* r : all) const_cast<FlightRecorder*>(r)->poll();
+    }
+  }).detach();
 }
 
 FlightRecorder::~FlightRecorder() {
+  std::lock_guard<std::mutex> round(poller().poll_mu);  // not while the poller polls this one
   std::lock_guard<std::mutex> lk(registry_mu());
   auto& r = registry();
   for (auto it = r.begin(); it != r.end(); ++it) {

@@ -16,10 +16,9 @@
 //   commux/trace/ask         a counter: a rank whose call timed out adds 1 (its "generation")
 //   commux/trace/answer/<r>  rank r's answer: its state, tagged with the generation it answers
 // The asker answers for itself first, then waits up to kAnswerWait for every rank's answer of its
-// generation or later. The other ranks answer without their main thread: the group's worker
-// thread, while idle, checks for the counter every kPollPeriod (one store request per second per
-// group, none while the worker is running collectives); a rank blocked in a collective of the group
-// answers when that collective ends or times out. So a late rank that is busy in Python, sleeping
+// generation or later. The other ranks answer without their main thread: one thread per process
+// checks every group's counter every kPollPeriod (one store request per second per group) while
+// any group exists. So a late rank that is busy in Python, sleeping
 // or stuck elsewhere still answers; a dead one is named as not answering.
 //
 // Dumps: with COMMUX_TRACE_DUMP set (a directory, or a file-name prefix), each process writes the
@@ -28,13 +27,15 @@
 // leaves its ring), and on SIGUSR1 (the handler is installed only then, and chains to the one it
 // replaced, e.g. Python's faulthandler).
 //
-// Threads: issued() runs on the issuing thread, started()/finished()/poll() on the group's worker
-// thread, dumps on any thread; mu_ guards the ring and the counters.
+// Threads: issued() runs on the issuing thread, started()/finished() on the group's collective
+// thread, poll() on the process's answering thread, dumps on any thread; mu_ guards the ring and
+// the counters; answered_ is atomic (poll() and a timeout's report both answer).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -60,7 +61,7 @@ class FlightRecorder {
   void issued(std::uint64_t seq, const char* op, std::size_t bytes);
   void started(std::uint64_t seq);
   std::exception_ptr finished(std::uint64_t seq, std::exception_ptr error);
-  // The idle worker's check for a question (see above); never throws.
+  // The answering thread's check for a question (see above); never throws.
   void poll();
 
   // This group's ring as a JSON object.
@@ -85,17 +86,18 @@ class FlightRecorder {
   std::string answer_locked(std::int64_t gen) const;
   void answer(std::int64_t gen);
   std::string report(std::uint64_t seq, const char* op);
+  static void start_poller();
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
   std::string group_;
   mutable std::mutex mu_;
-  std::array<Entry, kCapacity> ring_{};  // [mu_] entry n at n % kCapacity
-  std::uint64_t count_ = 0;              // [mu_] entries ever recorded
-  Entry last_completed_{};               // [mu_] valid when any_completed_
-  bool any_completed_ = false;           // [mu_]
-  std::int64_t answered_ = 0;            // worker thread only: the last generation answered
+  std::array<Entry, kCapacity> ring_{};    // [mu_] entry n at n % kCapacity
+  std::uint64_t count_ = 0;                // [mu_] entries ever recorded
+  Entry last_completed_{};                 // [mu_] valid when any_completed_
+  bool any_completed_ = false;             // [mu_]
+  std::atomic<std::int64_t> answered_{0};  // the last generation answered
 };
 
 }  // namespace commux::c10d_detail

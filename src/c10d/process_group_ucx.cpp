@@ -147,9 +147,8 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   aten_on_cpu_ = commux::Settings::from_environment().aten_reduce;  // read as the group is created
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
   recorder_ = std::make_unique<c10d_detail::FlightRecorder>(store, rank, size, group_name_);
-  worker_ = std::thread([this] { worker_loop(); });
   COMMUX_LOG(kInfo, rank, "torch backend '", name_, "': process group '", group_name_,
-             "' is commux group ", o.group, ", rank ", rank, " of ", size);
+             "' is commux group ", comm_->options().group, ", rank ", rank, " of ", size);
 }
 
 ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -184,11 +183,13 @@ void ProcessGroupUCX::Impl::shutdown() {
     left.swap(queue_);
     queued_.store(0, std::memory_order_release);
   }
-  cv_.notify_all();
   // Closing the communicator cancels whatever is posted (bounded by the shutdown timeout), so a
-  // collective the worker is running fails promptly instead of waiting for its deadline.
+  // collective a pool thread is running fails promptly instead of waiting for its deadline.
   if (comm_) comm_->shutdown();
-  if (worker_.joinable()) worker_.join();
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return !serving_; });
+  }
   watcher_->stop();  // after comm_->shutdown(): every request has finished
   for (auto& t : left) {
     t->finish(std::make_exception_ptr(
@@ -202,13 +203,13 @@ uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
   return collectives_issued_;
 }
 
-// --- the worker thread ------------------------------------------------------------------------
+// --- the collectives' thread (pool.hpp) --------------------------------------------------------
 
-void ProcessGroupUCX::Impl::worker_loop() {
+void ProcessGroupUCX::Impl::serve() {
   for (;;) {
     std::shared_ptr<Task> t;
     // Back-to-back collectives (a training step's buckets, a benchmark loop) arrive within
-    // microseconds: poll for the next one briefly before sleeping on the condition variable.
+    // microseconds: poll for the next one briefly before letting the thread go.
     if (spin_.count() > 0 && queued_.load(std::memory_order_acquire) == 0) {
       const auto until = Clock::now() + spin_;
       while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < until) {
@@ -216,15 +217,12 @@ void ProcessGroupUCX::Impl::worker_loop() {
       }
     }
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      // While idle, answer the other ranks' hang reports (flight_recorder.hpp).
-      while (!cv_.wait_for(lk, c10d_detail::FlightRecorder::kPollPeriod,
-                           [&] { return stopping_ || !queue_.empty(); })) {
-        lk.unlock();
-        recorder_->poll();
-        lk.lock();
+      std::lock_guard<std::mutex> lk(mu_);
+      if (queue_.empty()) {
+        serving_ = false;  // the next enqueue submits this group again
+        cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
+        return;
       }
-      if (queue_.empty()) return;
       t = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
@@ -245,7 +243,7 @@ void ProcessGroupUCX::Impl::worker_loop() {
   }
 }
 
-// Runs a task's body on the worker thread. A device collective first waits for the issuing
+// Runs a task's body on the group's pool thread. A device collective first waits for the issuing
 // stream's work on its tensors (the fence), runs with the backend's stream of that device current
 // (so the body's ATen work and the collective's reductions go there), and synchronizes that stream
 // before the task completes, so the results are visible to every stream after wait().
@@ -298,6 +296,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
   std::size_t bytes = 0;
   for (const auto& o : t->outputs) bytes += nbytes(o);
   const bool small = bytes <= kSpinWaitBytes;
+  bool submit = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) {
@@ -311,8 +310,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
     t->spin = small ? spin_ : std::chrono::microseconds(0);
     queue_.push_back(t);
     queued_.fetch_add(1, std::memory_order_release);
+    submit = !serving_;
+    serving_ = true;
   }
-  cv_.notify_one();
+  if (submit) c10d_detail::CollectivePool::instance().submit(this);
   return track(c10::make_intrusive<CollWork>(getRank(), std::move(t), limit, where()));
 }
 
@@ -853,7 +854,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   // A sparse allreduce takes three tags (sparse_allreduce.cpp), a dense one one.
   const bool sparse = tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse();
-  return impl_->checked("allreduce", sparse ? 3 : 1, [&] { return impl_->allreduce(tensors, opts); });
+  return impl_->checked("allreduce", sparse ? 3 : 1,
+                        [&] { return impl_->allreduce(tensors, opts); });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {

@@ -3,12 +3,14 @@
 //
 // ProcessGroupUCX's c10d::Backend overrides forward to the Impl methods of the same name (one
 // pointer indirection per call); the Impl does the work: validation (tensor_checks.hpp), posting
-// point-to-point on the caller's thread, queueing collectives for its worker thread.
+// point-to-point on the caller's thread, queueing collectives, which a thread of the process's
+// CollectivePool (pool.hpp) runs in order while the queue is not empty.
 //
-// Who owns what: the Impl owns the Communicator, the worker thread and its queue of Tasks (and
-// their tensors), the in-flight p2p Works (and their tensors) until their requests complete, the
-// FutureWatcher (shared with the p2p Works through weak_ptrs), the worker's device streams and the
-// coalescing windows. It lives exactly as long as its ProcessGroupUCX.
+// Who owns what: the Impl owns the Communicator, its queue of Tasks (and their tensors), the
+// in-flight p2p Works (and their tensors) until their requests complete, the FutureWatcher
+// (shared with the p2p Works through weak_ptrs), the collectives' device streams and the
+// coalescing windows. It lives exactly as long as its ProcessGroupUCX; its shutdown waits until
+// no pool thread runs its queue.
 #pragma once
 
 #include <atomic>
@@ -31,12 +33,13 @@
 #include "commux/process_group_ucx.hpp"
 #include "device.hpp"
 #include "flight_recorder.hpp"
+#include "pool.hpp"
 #include "watcher.hpp"
 #include "work.hpp"
 
 namespace commux {
 
-struct ProcessGroupUCX::Impl {
+struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client {
   using Body = std::function<void(std::uint32_t tag, std::chrono::steady_clock::time_point)>;
 
   Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -109,7 +112,7 @@ struct ProcessGroupUCX::Impl {
       const std::vector<std::vector<std::int64_t>>& recv_capacity,
       std::chrono::milliseconds timeout);
 
-  // Queues `body` for the worker thread; the returned Work completes when it has run.
+  // Queues `body` for the group's collectives; the returned Work completes when it has run.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* op_name,
                                          std::chrono::milliseconds op_timeout,
                                          std::vector<at::Tensor> keep_alive,
@@ -149,7 +152,8 @@ struct ProcessGroupUCX::Impl {
   void note_dead(std::uint32_t tag, std::uint32_t ntags);
   void drain_dead(std::uint32_t current);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
-  void worker_loop();
+  // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
+  void serve() override;
   std::string where() const;
 
   int rank_;
@@ -160,21 +164,21 @@ struct ProcessGroupUCX::Impl {
   std::unique_ptr<Communicator> comm_;
 
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // shutdown() waits on it for serving_ to clear
   std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
-  std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the worker's lock-free polling
-  std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before sleeping
+  std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the pool thread's lock-free polling
+  std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before letting go
+  bool serving_ = false;                // [mu_] submitted to the pool, until serve() lets go
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;
   std::mutex dead_mu_;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> dead_;  // [dead_mu_] (tag, ntags)
   std::atomic<bool> any_dead_{false};                          // = !dead_.empty()
   std::uint64_t collectives_issued_ = 0;
-  // The worker thread's streams and DeviceOps per device (device tensors).
+  // The collectives' streams and DeviceOps per device (device tensors).
   std::unique_ptr<c10d_detail::DeviceStreams> streams_;
   bool aten_on_cpu_ = false;  // COMMUX_ATEN_REDUCE=1
   std::atomic<std::uint64_t> device_ops_calls_{0};
-  std::thread worker_;
   // Keeps unfinished p2p Works alive and completes their futures (shared with the Works through
   // weak_ptrs).
   std::shared_ptr<c10d_detail::FutureWatcher> watcher_;

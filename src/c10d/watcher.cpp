@@ -16,7 +16,8 @@ namespace {
 // Slow on purpose: the posting thread never wakes this one (on a 2-core machine a wake-up per
 // operation costs more than the operation).
 constexpr auto kReleasePeriod = std::chrono::milliseconds(10);
-// Nothing watched for this long: the thread sleeps until the next Work (one wake-up then).
+// Nothing watched for this long: the thread ends (the next Work starts one): a group with no p2p
+// in flight holds no thread.
 constexpr auto kIdleBeforeSleep = std::chrono::seconds(1);
 }  // namespace
 
@@ -44,10 +45,14 @@ void FutureWatcher::watch(c10::intrusive_ptr<P2PWork> work, bool future) {
   } else {
     return;
   }
+  if (retired_) {
+    thread_.join();  // it has returned from loop() already, or is about to
+    retired_ = false;
+  }
   if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-  // Wake the thread only where it matters: a future to complete promptly, or a thread asleep
-  // with nothing watched. A plain p2p post does not wake it otherwise.
-  const bool wake = future || asleep_;
+  // Wake the thread only where it matters: a future to complete promptly. A plain p2p post does
+  // not wake it otherwise.
+  const bool wake = future;
   lk.unlock();
   if (wake) cv_.notify_one();
 }
@@ -78,10 +83,8 @@ void FutureWatcher::loop() {
       if (futures_ == 0) {
         if (watched_.empty() &&
             std::chrono::steady_clock::now() - empty_since >= kIdleBeforeSleep) {
-          asleep_ = true;
-          cv_.wait(lk, [&] { return stopping_ || !watched_.empty(); });
-          asleep_ = false;
-          empty_since = std::chrono::steady_clock::now();
+          retired_ = true;  // the next watch() joins this thread and starts another
+          return;
         } else {
           cv_.wait_for(lk, kReleasePeriod, [&] { return stopping_ || futures_ > 0; });
         }

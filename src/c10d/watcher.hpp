@@ -22,8 +22,8 @@ namespace commux::c10d_detail {
 class FutureWatcher {
  public:
   ~FutureWatcher() { stop(); }
-  // Keeps `work` (just posted, not finished) until its request finishes; starts the thread on
-  // first use.
+  // Keeps `work` (just posted, not finished) until its request finishes; starts the thread when
+  // none runs (it ends after a second with nothing watched).
   void track(c10::intrusive_ptr<P2PWork> work);
   // getFuture() of an unfinished Work: makes sure it is watched, so that its future completes.
   void add(c10::intrusive_ptr<P2PWork> work);
@@ -44,7 +44,7 @@ class FutureWatcher {
   std::condition_variable cv_;
   std::vector<Entry> watched_;  // [mu_]
   int futures_ = 0;             // [mu_] entries with future == true
-  bool asleep_ = false;         // [mu_] the thread waits for watch() with nothing watched
+  bool retired_ = false;        // [mu_] the thread ended, idle (join it before starting one)
   bool stopping_ = false;       // [mu_]
   std::thread thread_;
 };

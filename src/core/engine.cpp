@@ -2,6 +2,7 @@
 // order. The threading contract is in docs/progress.md.
 #include "engine.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -30,6 +31,7 @@ LiveEngines& live_engines() {
       std::lock_guard<std::mutex> lk(le.mu);
       for (Engine* e : le.engines) e->shutdown();
       le.engines.clear();
+      Hub::shutdown_all();  // then the shared workers and their progress threads
     });
     return l;
   }();
@@ -38,23 +40,37 @@ LiveEngines& live_engines() {
 
 }  // namespace
 
-Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options)
-    : store_(std::move(store)), rank_(rank), size_(size), options_(std::move(options)) {
-  if (!store_) throw Error(Errc::kInvalidArgument, "commux init: no store given");
-  if (size_ < 1 || size_ > tag_layout::kMaxRanks) {
-    throw Error(Errc::kInvalidArgument, "commux init: world size " + std::to_string(size_) +
+Hub::Placement Engine::place(Store* store, int rank, int size, const Options& options) {
+  if (store == nullptr) throw Error(Errc::kInvalidArgument, "commux init: no store given");
+  if (size < 1 || size > tag_layout::kMaxRanks) {
+    throw Error(Errc::kInvalidArgument, "commux init: world size " + std::to_string(size) +
                                             " is outside 1.." +
                                             std::to_string(tag_layout::kMaxRanks));
   }
-  if (rank_ < 0 || rank_ >= size_) {
-    throw Error(Errc::kInvalidArgument, "commux init: rank " + std::to_string(rank_) +
-                                            " is outside 0.." + std::to_string(size_ - 1));
+  if (rank < 0 || rank >= size) {
+    throw Error(Errc::kInvalidArgument, "commux init: rank " + std::to_string(rank) +
+                                            " is outside 0.." + std::to_string(size - 1));
   }
-  if (options_.group < 0 || options_.group >= tag_layout::kMaxGroups) {
-    throw Error(Errc::kInvalidArgument, "commux init: group id " + std::to_string(options_.group) +
+  if (options.group < 0 || options.group >= tag_layout::kMaxGroups) {
+    throw Error(Errc::kInvalidArgument, "commux init: group id " + std::to_string(options.group) +
                                             " is outside 0.." +
                                             std::to_string(tag_layout::kMaxGroups - 1));
   }
+  const bool wakeup = options.wakeup == Options::Wakeup::kOn ||
+                      (options.wakeup == Options::Wakeup::kAuto &&
+                       tls_excludes_shared_memory(std::getenv("UCX_TLS")));
+  return Hub::join(*store, rank, size, options, wakeup);
+}
+
+Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options)
+    : store_(std::move(store)),
+      rank_(rank),
+      size_(size),
+      options_(std::move(options)),
+      placement_(place(store_.get(), rank_, size_, options_)),
+      worker_(placement_.hub->worker()) {
+  options_.group = placement_.group;
+  info_ = placement_.hub->info();
 }
 
 Engine::~Engine() {
@@ -64,19 +80,19 @@ Engine::~Engine() {
     le.engines.erase(this);
   }
   shutdown();
-  // The members go in reverse order: peers_, then worker_ (which closes the wake fd: see
-  // worker.hpp), then context_ (already released by shutdown()).
+  // Then peers_ (closed already) and the Hub: the last Engine on it stops its progress thread
+  // and releases the worker and the context (hub.cpp).
 }
 
 void Engine::start() {
-  const bool wakeup = options_.wakeup == Options::Wakeup::kOn ||
-                      (options_.wakeup == Options::Wakeup::kAuto &&
-                       tls_excludes_shared_memory(std::getenv("UCX_TLS")));
-  context_.create(wakeup, static_cast<std::size_t>(size_), info_);
-  worker_.create(context_.handle(), wakeup, info_);
+  try {
+    peers_.connect(*store_, options_);
+  } catch (...) {
+    shutdown();  // closes what was connected, frees the group id
+    throw;
+  }
   log_engine_start(rank_, size_, options_.group, info_);
-  peers_.connect(*store_, options_);
-  worker_.start_progress_thread();
+  worker_.attach(this);
   {
     LiveEngines& le = live_engines();
     std::lock_guard<std::mutex> lk(le.mu);
@@ -88,36 +104,58 @@ void Engine::start() {
 // Shutdown: bounded in time whatever the peers do.
 
 void Engine::shutdown() {
-  worker_.stop_progress_thread();
-  std::lock_guard<std::mutex> lock(worker_.mutex());
-  if (worker_.shut_down_locked()) return;
-  const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout;
-  std::vector<std::shared_ptr<Op>> pending = worker_.inflight_snapshot_locked();
-  for (auto& op : pending) {
-    if (!op->has_override) {
-      op->has_override = true;
-      op->override_code = Errc::kCanceled;
-      op->override_reason = "the communicator was shut down while the operation was in flight";
+  // Only this Engine's operations and endpoints: the worker, its progress thread and the other
+  // Engines' operations go on (docs/progress.md, "One worker per process").
+  worker_.detach(this);  // no progress step or peer check calls into this Engine after this
+  {
+    std::lock_guard<std::mutex> lock(worker_.mutex());
+    if (shut_down_) return;
+    shut_down_ = true;
+    const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout;
+    std::vector<std::shared_ptr<Op>> pending = own_inflight_locked();
+    for (auto& op : pending) {
+      if (!op->has_override) {
+        op->has_override = true;
+        op->override_code = Errc::kCanceled;
+        op->override_reason = "the communicator was shut down while the operation was in flight";
+      }
+      if (op->kind == Op::Kind::kRecv && worker_.handle() != nullptr) {
+        op->cancel_parts_locked(worker_.handle());
+      }
     }
-    if (op->kind == Op::Kind::kRecv && worker_.handle() != nullptr) {
-      op->cancel_parts_locked(worker_.handle());
+    if (worker_.handle() != nullptr) {
+      peers_.close_all_locked(deadline);  // flushes (or force-closes) what is still queued
+      run_deferred_locked();
+      // Messages to this group that nothing received: a later communicator may get its id.
+      worker_.drop_unexpected_locked(
+          std::uint64_t(options_.group) << tag_layout::kGroupShift, tag_layout::kGroupMask,
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
     }
+    pending = own_inflight_locked();
+    for (auto& op : pending) {
+      // Still inside UCX after the shutdown timeout: UCX may yet call back into the Op, so its
+      // memory stays valid to the end of the process (hub.hpp).
+      const bool in_ucx = std::any_of(op->parts.begin(), op->parts.end(),
+                                      [](const Part& p) { return p.ucx_req != nullptr; });
+      if (in_ucx && worker_.handle() != nullptr) placement_.hub->keep_forever_locked(op);
+      if (op->status == UCS_OK) op->status = UCS_ERR_CANCELED;
+      op->remaining = 0;
+      finish_locked(*op);
+    }
+    deferred_.clear();
+    to_cancel_.clear();
   }
-  if (worker_.handle() != nullptr) {
-    peers_.close_all_locked(deadline);  // endpoints before their worker
-    worker_.destroy_locked();
+  placement_.hub->release(placement_.group);
+  // The wake fd stays open until the Hub goes, after this: waiting threads kick() it without the
+  // lock (worker.hpp says why that is safe only then).
+}
+
+std::vector<std::shared_ptr<Op>> Engine::own_inflight_locked() const {
+  std::vector<std::shared_ptr<Op>> out;
+  for (Op* op = worker_.inflight_locked(); op != nullptr; op = op->next) {
+    if (op->engine.get() == this) out.push_back(op->self);
   }
-  context_.destroy();  // the context last
-  worker_.mark_shut_down_locked();
-  pending = worker_.inflight_snapshot_locked();
-  for (auto& op : pending) {
-    if (op->status == UCS_OK) op->status = UCS_ERR_CANCELED;
-    op->remaining = 0;
-    finish_locked(*op);
-  }
-  deferred_.clear();
-  // The wake fd stays open until ~Worker, after this: waiting threads kick() it without the lock
-  // (worker.hpp says why that is safe only then).
+  return out;
 }
 
 }  // namespace commux::detail

@@ -4,15 +4,19 @@
 //   context.hpp  Context  the ucp_context: features, memory types, transports (RuntimeInfo)
 //   worker.hpp   Worker   the ucp_worker, its mutex, the in-flight list, the progress thread,
 //                         the wake and event fds, waiting (spin, then sleep)
+//   hub.hpp      Hub      context + worker + progress thread, shared by the Engines of a
+//                         process, and the group ids that keep their messages apart
 //   peers.hpp    Peers    bootstrap through the Store, one endpoint per peer, peer failure
 //   op.hpp       Op       one posted operation; posting and completion are Engine's (op.cpp)
 //   engine.cpp            composition: start-up and the shutdown order
 //
-// Ownership: Engine owns its Context, Worker and Peers (destroyed in the reverse order: endpoints,
-// worker, context), and every in-flight operation through the worker's in-flight list (an Op
-// owns itself until UCX is done with it). A Request shares its Op; an Op shares the Engine, so an
-// Engine lives until the last Request referring to it is gone, but shutdown() releases all UCX
-// resources at the Communicator's destruction regardless.
+// Ownership: Engine owns its Peers (the endpoints) and shares its Hub (context, worker, progress
+// thread) with the other Engines of the process that could join it; the last one to go releases
+// it (endpoints always before the worker, the worker before the context). The Engine's in-flight
+// operations sit in the shared worker's in-flight list (an Op owns itself until UCX is done with
+// it; Op::engine says whose it is). A Request shares its Op; an Op shares the Engine, so an Engine
+// lives until the last Request referring to it is gone, but shutdown() cancels its operations,
+// closes its endpoints and frees its group id at the Communicator's destruction regardless.
 // Threads: see docs/progress.md. Every field marked [mu], here and in the parts, is guarded by
 // the worker mutex (Worker::mutex()).
 #pragma once
@@ -28,7 +32,7 @@
 
 #include "channel.hpp"
 #include "commux/communicator.hpp"
-#include "context.hpp"
+#include "hub.hpp"
 #include "op.hpp"
 #include "peers.hpp"
 #include "worker.hpp"
@@ -63,16 +67,17 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   void cancel(Op& op);
 
  private:
-  friend class Worker;  // its progress thread and waits drive the two steps below
+  friend class Worker;  // its progress thread and waits drive the steps below
 
-  // One progress step: UCX's, then the request work callbacks deferred, then (when UCX had
-  // nothing to do) failing receives that wait on gone peers. [mu]
-  unsigned progress_locked() {
-    if (worker_.handle() == nullptr || worker_.shut_down_locked()) return 0;
-    const unsigned n = ucp_worker_progress(worker_.handle());
+  // Validates the arguments, then agrees on the group id and finds the Hub (hub.hpp).
+  static Hub::Placement place(Store* store, int rank, int size, const Options& options);
+  // One progress step of the shared worker (Worker::progress_locked): UCX's, then every Engine's.
+  unsigned progress_locked() { return worker_.progress_locked(); }
+  // This Engine's part of a step, after UCX progressed `n` times: the request work callbacks
+  // deferred, then (when UCX had nothing to do) failing receives that wait on gone peers. [mu]
+  void step_locked(unsigned n) {
     if (!deferred_.empty() || !to_cancel_.empty()) run_deferred_locked();
     if (n == 0) peers_.reap_locked();
-    return n;
   }
   void check_local_peers() { peers_.check_local(); }  // takes the lock itself
 
@@ -93,16 +98,18 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   // user field equals `value` on the bits of `mask`.
   std::pair<std::uint64_t, std::uint64_t> probe_match(TagKind kind, std::uint32_t value,
                                                       std::uint32_t mask) const;
+  std::vector<std::shared_ptr<Op>> own_inflight_locked() const;  // this Engine's, in flight [mu]
 
   std::shared_ptr<Store> store_;
   const int rank_;
   const int size_;
-  const Options options_;
-  RuntimeInfo info_;  // filled in start(), then read-only
+  Options options_;   // group: the id agreed in place(); read-only after the constructor
+  RuntimeInfo info_;  // the Hub's, copied in the constructor, then read-only
 
-  Context context_;
-  Worker worker_{*this};
-  Peers peers_{worker_, rank_, size_};
+  Hub::Placement placement_;  // the shared Hub and this Engine's group id on it
+  Worker& worker_;            // placement_.hub's
+  Peers peers_{worker_, rank_, size_, this};
+  bool shut_down_ = false;  // [mu] set once shutdown() ran: nothing is posted after
   std::vector<std::shared_ptr<Op>> deferred_;   // [mu] any-source ops whose rest must post
   std::vector<std::shared_ptr<Op>> to_cancel_;  // [mu] ops whose other parts must be cancelled
 };

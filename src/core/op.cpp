@@ -91,7 +91,7 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
   op->source = peer;
 
   std::lock_guard<std::mutex> lock(worker_.mutex());
-  if (worker_.shut_down_locked()) {
+  if (shut_down_ || worker_.shut_down_locked()) {
     throw Error(Errc::kCanceled,
                 ErrorSite{name, peer, tag, op->capacity, std::to_string(options_.group)},
                 "the communicator is shut down");
@@ -393,7 +393,7 @@ std::size_t Engine::discard(TagKind kind, std::uint32_t value, std::uint32_t mas
 
 void Engine::cancel(Op& op) {
   std::lock_guard<std::mutex> lock(worker_.mutex());
-  if (op.done.load() || worker_.shut_down_locked()) return;
+  if (op.done.load() || shut_down_ || worker_.shut_down_locked()) return;
   op.cancel_parts_locked(worker_.handle());
 }
 

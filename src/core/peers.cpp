@@ -99,12 +99,16 @@ void Peers::fail_locked(int peer, ucs_status_t status, const std::string& reason
   pr.reason = reason;
   any_failed_ = true;
   for (Op* op = worker_.inflight_locked(); op != nullptr; op = op->next) {
-    if (op->kind == Op::Kind::kSend && op->peer == peer && !op->has_override) {
+    if (op->kind == Op::Kind::kSend && op->peer == peer && !op->has_override && mine(*op)) {
       op->has_override = true;
       op->override_code = Errc::kPeerFailed;
       op->override_reason = "peer " + std::to_string(peer) + " is gone (" + reason + ")";
     }
   }
+}
+
+bool Peers::mine(const Op& op) const noexcept {
+  return static_cast<const void*>(op.engine.get()) == static_cast<const void*>(owner_);
 }
 
 void Peers::check_local() {
@@ -134,7 +138,7 @@ void Peers::reap_failed_locked() {
   next_reap_ = now + std::chrono::milliseconds(10);
   std::vector<std::shared_ptr<Op>> victims;
   for (Op* op = worker_.inflight_locked(); op != nullptr; op = op->next) {
-    if (op->kind != Op::Kind::kRecv || op->has_override) continue;
+    if (op->kind != Op::Kind::kRecv || op->has_override || !mine(*op)) continue;
     const int from = op->peer != kAnySource ? op->peer
                                             : (op->remaining > 0 && op->parts.size() > 1 &&
                                                        op->parts[0].ucx_req == nullptr

@@ -22,8 +22,10 @@
 
 namespace commux::detail {
 
+class Engine;
 class Peers;
 class Worker;
+struct Op;
 
 struct Peer {
   ucp_ep_h ep = nullptr;         // [mu] nullptr before connecting and once closed
@@ -39,7 +41,10 @@ struct Peer {
 
 class Peers {
  public:
-  Peers(Worker& worker, int rank, int size) noexcept : worker_(worker), rank_(rank), size_(size) {}
+  // `owner`: the Engine whose endpoints these are. The worker's in-flight list holds the Ops of
+  // every Engine on it; a peer's failure fails the owner's only (Op::engine).
+  Peers(Worker& worker, int rank, int size, const Engine* owner) noexcept
+      : worker_(worker), rank_(rank), size_(size), owner_(owner) {}
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;
 
@@ -71,9 +76,12 @@ class Peers {
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
   void reap_failed_locked();
 
+  bool mine(const Op& op) const noexcept;  // an Op of this Peers' Engine
+
   Worker& worker_;
   const int rank_;
   const int size_;
+  const Engine* owner_;
   std::vector<Peer> peers_;     // sized once in connect() (the error callbacks hold &peers_[p])
   std::vector<void*> closing_;  // [mu] force-close requests of dead peers
   bool any_failed_ = false;     // [mu]

@@ -40,6 +40,48 @@ void Worker::destroy_locked() noexcept {
   }
 }
 
+void Worker::attach(Engine* engine) {
+  std::lock_guard<std::mutex> a(engines_mu_);
+  std::lock_guard<std::mutex> b(mu_);
+  engines_.push_back(engine);
+}
+
+void Worker::detach(Engine* engine) {
+  std::lock_guard<std::mutex> a(engines_mu_);
+  std::lock_guard<std::mutex> b(mu_);
+  engines_.erase(std::remove(engines_.begin(), engines_.end(), engine), engines_.end());
+}
+
+unsigned Worker::progress_locked() {
+  if (worker_ == nullptr || shut_down_) return 0;
+  const unsigned n = ucp_worker_progress(worker_);
+  for (Engine* e : engines_) e->step_locked(n);
+  return n;
+}
+
+std::size_t Worker::drop_unexpected_locked(std::uint64_t tag, std::uint64_t mask,
+                                           Clock::time_point deadline) {
+  if (worker_ == nullptr) return 0;
+  std::size_t n = 0;
+  for (;;) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, tag, mask, 1, &info);
+    if (msg == nullptr) return n;
+    ++n;
+    auto scratch = std::make_unique<char[]>(std::max<std::size_t>(info.length, 1));
+    ucp_request_param_t prm{};
+    void* r = ucp_tag_msg_recv_nbx(worker_, scratch.get(), info.length, msg, &prm);
+    if (!UCS_PTR_IS_PTR(r)) continue;  // done (or failed) at once
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < deadline) {
+      ucp_worker_progress(worker_);
+    }
+    if (ucp_request_check_status(r) == UCS_INPROGRESS) {
+      scratch.release();  // UCX may still write into it: never freed
+    }
+    ucp_request_free(r);
+  }
+}
+
 std::vector<std::shared_ptr<Op>> Worker::inflight_snapshot_locked() const {
   std::vector<std::shared_ptr<Op>> out;
   for (Op* op = inflight_; op != nullptr; op = op->next) out.push_back(op->self);
@@ -87,7 +129,10 @@ void Worker::progress_thread_main() {
   auto next_check = Clock::now();
   while (!stop_.load()) {
     if (inflight_count_.load() > 0 && Clock::now() >= next_check) {
-      engine_.check_local_peers();
+      {
+        std::lock_guard<std::mutex> lock(engines_mu_);  // an Engine stays attached meanwhile
+        for (Engine* e : engines_) e->check_local_peers();
+      }
       next_check = Clock::now() + std::chrono::milliseconds(200);
     }
     if (spinners_.load() > 0) {
@@ -102,7 +147,7 @@ void Worker::progress_thread_main() {
       std::lock_guard<std::mutex> lock(mu_);
       if (shut_down_) break;
       for (int i = 0; i < 256; ++i) {
-        const unsigned k = engine_.progress_locked();
+        const unsigned k = progress_locked();
         n += k;
         if (k == 0) break;
       }
@@ -136,7 +181,7 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   if (op.done.load()) return true;
   {  // one progress call before anything else: most small messages complete here
     std::lock_guard<std::mutex> lock(mu_);
-    engine_.progress_locked();
+    progress_locked();
   }
   if (op.done.load()) return true;
   const auto start = Clock::now();
@@ -154,7 +199,7 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   for (unsigned iter = 1; !op.done.load(); ++iter) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      engine_.progress_locked();
+      progress_locked();
     }
     if ((iter & 15) == 0 && Clock::now() >= spin_until) break;
   }

@@ -6,8 +6,11 @@
 // peers.hpp and engine.hpp. UCX callbacks run inside ucp_worker_progress with it held.
 // Ownership: the Worker owns the ucp_worker (from create() to destroy_locked()), its wake fd (to
 // its destructor) and the progress thread. The in-flight list does not own its Ops: each Op owns
-// itself while listed (Op::self). The Worker belongs to one Engine and calls back into it for one
-// progress step and the same-host peer check (Engine::progress_locked, check_local_peers).
+// itself while listed (Op::self); it holds the Ops of every Engine on this worker. The Worker
+// belongs to a Hub (hub.hpp), shared by the Engines of one process; it calls back into each
+// attached Engine for its part of a progress step and its same-host peer check
+// (Engine::step_locked, check_local_peers). engines_ is guarded by both engines_mu_ and mu_
+// (attach and detach take engines_mu_ then mu_; either one is enough to read it).
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -15,6 +18,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -29,7 +34,7 @@ class Engine;
 
 class Worker {
  public:
-  explicit Worker(Engine& engine) noexcept : engine_(engine) {}
+  Worker() = default;
   ~Worker();  // closes the wake fd; the progress thread must have been stopped
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -40,9 +45,24 @@ class Worker {
   void destroy_locked() noexcept;  // no-op when there is none [mu]
   std::mutex& mutex() noexcept { return mu_; }
   ucp_worker_h handle() const noexcept { return worker_; }  // nullptr before create, after destroy
-  // Set by Engine::shutdown() once UCX is released: nothing is progressed or posted after. [mu]
+  // Set by Hub::shutdown() once UCX is released: nothing is progressed or posted after. [mu]
   bool shut_down_locked() const noexcept { return shut_down_; }
   void mark_shut_down_locked() noexcept { shut_down_ = true; }
+
+  // The Engines on this worker. attach() before the Engine posts anything; detach() (idempotent)
+  // once it posts nothing more: after it returns no progress step or peer check calls it again.
+  void attach(Engine* engine);
+  void detach(Engine* engine);
+  // One progress step: UCX's, then each Engine's own (deferred work, failing receives that wait
+  // on gone peers). [mu]
+  unsigned progress_locked();
+  // Receives and drops the messages waiting unmatched in the worker whose tag matches
+  // (tag, mask): what was sent to a communicator that has shut down, so that it neither matches
+  // a later communicator given the same group id nor stays in UCX's buffers. Waits for each at
+  // most until `deadline` (a rendezvous from a peer that has stopped may never complete; its
+  // scratch buffer is then left to UCX). Returns how many. [mu]
+  std::size_t drop_unexpected_locked(std::uint64_t tag, std::uint64_t mask,
+                                     std::chrono::steady_clock::time_point deadline);
 
   // The in-flight list. [mu]
   void register_locked(const std::shared_ptr<Op>& op) {
@@ -92,7 +112,8 @@ class Worker {
   // Sleeps until kick() (true), `timeout`, or `other_fd` (if >= 0) becomes readable.
   bool wait_for_kick(std::chrono::microseconds timeout, int other_fd);
 
-  Engine& engine_;
+  std::mutex engines_mu_;         // taken before mu_ (see above)
+  std::vector<Engine*> engines_;  // [engines_mu_ and mu_ to write; either to read]
   std::mutex mu_;
   ucp_worker_h worker_ = nullptr;  // set in create(), nullptr after destroy_locked() [mu]
   bool shut_down_ = false;         // [mu] set once shutdown() released UCX

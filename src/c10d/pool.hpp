@@ -1,0 +1,50 @@
+// src/c10d/pool.hpp -- the threads that run the collectives of every ProcessGroupUCX of the
+// process (internal).
+//
+// A group holds a thread only while it has collectives queued: its first queued collective
+// submits it here, a thread takes it and runs its queue in order until the queue is empty, then
+// lets it go (so a group's collectives run one at a time, in issue order, as with a thread per
+// group). Groups with work at the same time each get a thread of their own: a submit that finds
+// no idle thread starts one, so a collective blocked in one group (waiting for a peer that is
+// itself in another group's collective) never keeps another group's collectives from running.
+// A thread idle for kRetireAfter ends: groups with nothing queued cost no thread.
+//
+// Ownership: the pool (one per process, never destroyed) owns its threads (detached); it does
+// not own the Clients, which must stay alive until their serve() has returned (a group's
+// shutdown waits for that). Locks: every field is guarded by mu_.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <mutex>
+
+namespace commux::c10d_detail {
+
+class CollectivePool {
+ public:
+  class Client {
+   public:
+    virtual ~Client() = default;
+    // Runs the client's queued collectives, in order, until none is left.
+    virtual void serve() = 0;
+  };
+  static constexpr std::chrono::milliseconds kRetireAfter{500};
+
+  static CollectivePool& instance();
+  // Hands `client` to a thread (an idle one, else a new one). A client is submitted again only
+  // after its serve() returned (the client tracks that itself).
+  void submit(Client* client);
+  int threads();  // threads alive now (tests)
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Client*> ready_;  // [mu_] submitted, not yet taken by a thread
+  int waiting_ = 0;            // [mu_] threads waiting for a client
+  int threads_ = 0;            // [mu_]
+};
+
+}  // namespace commux::c10d_detail
