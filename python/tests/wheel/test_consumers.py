@@ -5,6 +5,7 @@ and FetchContent of the repository (a local clone)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 from wheelenv import REPO, cmake_exe, run_ranks
@@ -13,9 +14,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONSUMERS = os.path.join(HERE, "consumers")
 
 
-def _cmake_build(src: str, build: str, *defines: str) -> None:
+def _cmake_build(src: str, build: str, *defines: str, build_type: str = "Release") -> None:
     cmake = cmake_exe()
-    subprocess.run([cmake, "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *defines],
+    subprocess.run([cmake, "-S", src, "-B", build, f"-DCMAKE_BUILD_TYPE={build_type}", *defines],
                    check=True, timeout=600, capture_output=True)
     r = subprocess.run([cmake, "--build", build, "-j2"], timeout=1800, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
@@ -45,6 +46,14 @@ def test_fetch_content_of_a_local_clone(plain_venv, tmp_path):
     head = subprocess.run(["git", "-C", clone, "rev-parse", "HEAD"], check=True, capture_output=True,
                           text=True).stdout.strip()
     build = str(tmp_path / "build")
+    # No build type: the consumer's (none: no optimisation, the cheapest build) must stand, and
+    # only the library is built (no examples, no benchmarks, no commux_info).
     _cmake_build(os.path.join(CONSUMERS, "fetch_content"), build, f"-DCOMMUX_GIT={clone}",
-                 f"-DCOMMUX_GIT_TAG={head}", f"-DCOMMUX_PYTHON={plain_venv.python}")
+                 f"-DCOMMUX_GIT_TAG={head}", f"-DCOMMUX_PYTHON={plain_venv.python}", build_type="")
+    with open(os.path.join(build, "CMakeCache.txt")) as f:
+        cache = f.read()
+    assert re.search(r"^CMAKE_BUILD_TYPE:STRING=$", cache, re.M), "commux changed the consumer's build type"
+    built = os.path.join(build, "_deps", "commux-build")
+    for extra in ("examples", "bench", "commux_info"):  # directories, and a program
+        assert not os.path.exists(os.path.join(built, extra)), f"FetchContent built commux's {extra}"
     run_ranks(os.path.join(build, "consumer"), str(tmp_path))
