@@ -146,7 +146,7 @@ stage_wheel() {
   echo "== the wheel in a fresh venv (plain and bundled), C++ consumers, the build options' errors"
   # The wheels are built in build-py/ (scripts/install.sh's): after the python stage, incremental.
   [ -d build-py ] || echo "wheel: no build-py/ yet (the python stage makes it): a full build first"
-  run_pytest .venv/bin/python python/tests/wheel
+  run_pytest .venv/bin/python --durations=8 python/tests/wheel
 }
 
 stage_cuda() {
