@@ -2,7 +2,7 @@
 # Installs what commux needs on a fresh Debian machine; safe to rerun (installs only what is
 # missing). Debian packages: compilers, GoogleTest, UCX 1.13 (system provider, perftest), Open MPI
 # (benchmark peer), iproute2 (two-namespace test), clang with its sanitizer and libFuzzer runtimes
-# (the fuzz stage). Python venv .venv: the libucx-cu13 wheel (UCX
+# (the fuzz stage), patchelf (the bundled wheel: COMMUX_UCX_PROVIDER=bundled rewrites UCX's RPATHs). Python venv .venv: the libucx-cu13 wheel (UCX
 # 1.22 with CUDA transports, the default provider), cmake, ninja, pytest, and torch (CPU build,
 # COMMUX_TORCH overrides the requirement) with what `pip install . --no-build-isolation` needs, and
 # matplotlib (the benchmark plots). Python venv .venv-tools: clang-format, ruff and shellcheck at
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 apt_packages=(g++ make pkg-config libgtest-dev libucx-dev ucx-utils openmpi-bin libopenmpi-dev iproute2 python3-venv
-  clang libclang-rt-dev)
+  clang libclang-rt-dev patchelf)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

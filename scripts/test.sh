@@ -14,6 +14,11 @@
 #                30 s each from tests/fuzz/corpus/<target>/; any crash or report fails
 #   bench        a smoke run of the C++ benchmark (correctness only; timings not judged)
 #   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests
+#   wheel        the wheel as users install it (python/tests/wheel): `pip wheel .` (incremental, in
+#                the python stage's build directory) and the bundled wheel (COMMUX_UCX_PROVIDER=
+#                bundled), installed in turn into one fresh venv holding only torch: commux.info,
+#                2 ranks, one UCX per process, relative RPATHs; C++ consumers of the installed wheel
+#                (find_package, the original recipe) and of FetchContent; the build options' errors
 #   cuda         the package against a CUDA build of torch 2.14 (.venv-cuda): it builds, imports and
 #                passes the CUDA suite (its GPU tests skip on a machine without one)
 #   torch        the package built against torch 2.11 and 2.12 (the oldest supported releases; 2.11
@@ -26,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
-ALL_STAGES=(lint cpp cpp-system asan tsan fuzz bench python cuda torch)
+ALL_STAGES=(lint cpp cpp-system asan tsan fuzz bench python wheel cuda torch)
 # The torch releases the package claims besides the two above (2.13 CPU in .venv, 2.14 CUDA in
 # .venv-cuda); README "Supported torch" and pyproject.toml state the same range.
 OLDER_TORCH=(2.11 2.12)
@@ -135,6 +140,13 @@ stage_python() {
   [ -x build/bench/commux_coll_bench ] && [ -x build/bench/mpi_coll ] ||
     scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
   run_pytest .venv/bin/python python/tests
+}
+
+stage_wheel() {
+  echo "== the wheel in a fresh venv (plain and bundled), C++ consumers, the build options' errors"
+  # The wheels are built in build-py/ (scripts/install.sh's): after the python stage, incremental.
+  [ -d build-py ] || echo "wheel: no build-py/ yet (the python stage makes it): a full build first"
+  run_pytest .venv/bin/python --durations=8 python/tests/wheel
 }
 
 stage_cuda() {

@@ -22,15 +22,32 @@ import torch.distributed as dist
 _BUILT_WITH_TORCH = None  # filled from _build_info below
 
 
+def _use_libucx(build_info) -> bool:
+    """Whether UCX is taken from the libucx package: always for the wheel and system providers
+    where it is installed; for a bundled UCX only where libucx is at least the bundled version,
+    so that a process holds one UCX whichever of commux and libucx is imported first."""
+    try:
+        import libucx
+    except ImportError:
+        return False
+    if getattr(build_info, "UCX_PROVIDER", "") != "bundled":
+        return True
+    have = tuple(int(x) for x in libucx.__version__.split(".")[:2] if x.isdigit())
+    built = tuple(int(x) for x in getattr(build_info, "UCX_VERSION", "0.0").split(".")[:2])
+    return have >= built
+
+
 def _load_native():
     # UCX: when it comes from the libucx wheel, let the wheel load its libraries first (its own
-    # loader knows where they are); the RPATHs of our libraries point there as well.
-    try:
+    # loader knows where they are); the RPATHs of our libraries point there as well. Loaded by
+    # soname, they are also what a bundled UCX's libcommux resolves to, so libucx imported after
+    # commux finds its own UCX already in the process rather than loading a second one.
+    from . import _build_info
+
+    if _use_libucx(_build_info):
         import libucx
 
         libucx.load_library()
-    except ImportError:
-        pass
     from . import _C  # noqa: F401  (needs torch.distributed imported: it subclasses c10d.Backend)
 
     return _C
@@ -106,6 +123,13 @@ def get_include() -> str:
 def get_lib_dir() -> str:
     """Directory with libcommux.so and libcommux_c10d.so."""
     return os.path.join(os.path.dirname(__file__), "lib")
+
+
+def cmake_prefix_path() -> str:
+    """The prefix for CMAKE_PREFIX_PATH under which find_package(commux CONFIG) finds the package's
+    CMake config (lib/cmake/commux): commux::commux, and commux::c10d with torch's usage
+    requirements. `cmake -DCMAKE_PREFIX_PATH=$(python -c "import commux; print(commux.cmake_prefix_path())")`"""
+    return os.path.dirname(os.path.abspath(__file__))
 
 
 def transport_choice(accelerator: str | None = None) -> dict:

@@ -7,6 +7,39 @@ import os
 import sys
 
 
+def ucx_libraries() -> list:
+    """The files of UCX's libraries (libucp, libuct, libucs, libucm) mapped into this process."""
+    import re
+
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+            if re.search(r"/libuc[ptsm](_signal)?\.so[.0-9]*$", path) and path not in found:
+                found.append(path)
+    return found
+
+
+def _ucx_origin() -> str:
+    import commux
+
+    libs = ucx_libraries()
+    ucp = next((p for p in libs if "/libucp.so" in p), None)
+    if ucp is None:
+        return "not loaded"
+    if os.path.dirname(ucp).startswith(os.path.dirname(os.path.abspath(commux.__file__)) + os.sep):
+        where = "bundled in commux"
+    else:
+        try:
+            import libucx
+
+            libucx_dir = os.path.dirname(os.path.abspath(libucx.__file__))
+            where = f"libucx wheel {libucx.__version__}" if ucp.startswith(libucx_dir + os.sep) else "system"
+        except ImportError:
+            where = "system"
+    return f"{where}: {os.path.dirname(ucp)}"
+
+
 def main() -> int:
     import torch
 
@@ -17,13 +50,7 @@ def main() -> int:
     print(f"torch         {torch.__version__} (commux built against {commux._BUILT_WITH_TORCH}; "
           f"cuda {torch.version.cuda or 'none'})")
     print(f"python        {sys.version.split()[0]}")
-    try:
-        import libucx
-
-        where = f"libucx wheel {libucx.__version__}"
-    except ImportError:
-        where = "system"
-    print(f"UCX           {info['ucx_version']} ({where})")
+    print(f"UCX           {info['ucx_version']} ({_ucx_origin()})")
     print(f"transports    {', '.join(info['transports']) or '(none)'}")
     print(f"memory types  {', '.join(info['memory_types']) or '(none)'}")
     print(f"backends      {', '.join(commux.BACKEND_NAMES)} (devices cpu, cuda)")

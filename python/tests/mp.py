@@ -167,6 +167,7 @@ class RanksConfig:
     env: dict = field(default_factory=dict)  # extra environment for the children
     init: str = "file"  # "file" or "tcp"
     startup_timeout_s: float = 180.0
+    python: str | None = None  # the children's interpreter (another venv's); None: this one
 
 
 class Ranks:
@@ -219,7 +220,7 @@ class Ranks:
                 with open(log_path, "wb"):
                     pass
                 proc = subprocess.Popen(
-                    [sys.executable, "-u", "-c", "import mp, sys; mp._child_main(sys.argv[1:])",
+                    [cfg.python or sys.executable, "-u", "-c", "import mp, sys; mp._child_main(sys.argv[1:])",
                      spec_path, str(rank), str(child_sock.fileno()), log_path],
                     pass_fds=[child_sock.fileno()],
                     stdin=subprocess.DEVNULL,

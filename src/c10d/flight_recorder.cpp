@@ -231,16 +231,16 @@ void FlightRecorder::start_poller() {
     Poller& q = poller();
     for (;;) {
       {
-        std::unique_lock<std::mutex> lk(q.mu);
-        q.cv.wait_for(lk, kPollPeriod);
+        std::unique_lock<std::mutex> sleep(q.mu);
+        q.cv.wait_for(sleep, kPollPeriod);
       }
       std::lock_guard<std::mutex> round(q.poll_mu);
       std::vector<const FlightRecorder*> all;
       {
-        std::lock_guard<std::mutex> lk(registry_mu());
+        std::lock_guard<std::mutex> reg(registry_mu());
         all = registry();
         if (all.empty()) {
-          std::lock_guard<std::mutex> lk2(q.mu);
+          std::lock_guard<std::mutex> state(q.mu);
           q.running = false;
           return;
         }
