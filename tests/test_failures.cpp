@@ -145,6 +145,21 @@ TEST(Failures, DeadPeerFailsPendingOps) {
       o);
 }
 
+// A rank that never joins is named as the one missing, on every rank that did, after the
+// bootstrap timeout.
+TEST(Failures, RankThatNeverJoinsIsNamed) {
+  run_procs(3, [](int rank, int size, const std::string& dir) {
+    if (rank == 2) return;  // never creates its Communicator
+    Options o = default_test_options();
+    o.timeout = std::chrono::milliseconds(500);
+    const std::string msg = expect_error(Errc::kTimeout, [&] {
+      Communicator c(std::make_shared<FileStore>(dir), rank, size, o);
+    });
+    CX_CHECK_HAS(msg, "rank 2 of 3 has not joined");
+    CX_CHECK_HAS(msg, "this is rank " + std::to_string(rank));
+  });
+}
+
 // Ranks that finish at different times, with receives still posted, shut down promptly.
 TEST(Failures, ShutdownIsBoundedWhenRanksFinishApart) {
   run_ranks(3, [](Communicator& c) {

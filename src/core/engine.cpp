@@ -2,6 +2,7 @@
 // order. The threading contract is in docs/progress.md.
 #include "engine.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -102,9 +103,12 @@ void Engine::shutdown() {
     }
   }
   if (worker_.handle() != nullptr) {
+    if (peers_.any_failed_locked()) discard_unexpected_locked(deadline);
     peers_.close_all_locked(deadline);  // endpoints before their worker
     worker_.destroy_locked();
   }
+  parked_.clear();  // UCX (and with it any hold on their parts and on the sinks) is gone
+  unfinished_sinks_.clear();
   context_.destroy();  // the context last
   worker_.mark_shut_down_locked();
   pending = worker_.inflight_snapshot_locked();
@@ -116,6 +120,32 @@ void Engine::shutdown() {
   deferred_.clear();
   // The wake fd stays open until ~Worker, after this: waiting threads kick() it without the lock
   // (worker.hpp says why that is safe only then).
+}
+
+// After a peer failure, messages are left that nobody will receive: from the dead peer, and for
+// the operations failed because of it (a survivor's collective sends). Receiving them into a sink
+// completes their senders' rendezvous (parked sends among them) and spares UCX's warnings about
+// unmatched messages when the worker is destroyed.
+void Engine::discard_unexpected_locked(std::chrono::steady_clock::time_point deadline) {
+  // One sink per message: UCX writes a rendezvous message's data while later ones are probed.
+  std::vector<std::unique_ptr<char[]>> sinks;
+  std::vector<void*> pending;
+  for (int i = 0; i < 100000 && std::chrono::steady_clock::now() < deadline; ++i) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_.handle(), 0, 0, 1, &info);
+    if (msg == nullptr) {
+      if (ucp_worker_progress(worker_.handle()) == 0) break;
+      continue;
+    }
+    sinks.emplace_back(new char[std::max<std::size_t>(info.length, 1)]);
+    ucp_request_param_t prm{};
+    void* r = ucp_tag_msg_recv_nbx(worker_.handle(), sinks.back().get(), info.length, msg, &prm);
+    if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
+  }
+  if (!complete_requests_locked(worker_.handle(), pending, deadline)) {
+    // Still being received at the deadline: UCX may write into the sinks until the worker goes.
+    unfinished_sinks_ = std::move(sinks);
+  }
 }
 
 }  // namespace commux::detail

@@ -71,7 +71,8 @@ class Worker {
   void start_progress_thread();
   void stop_progress_thread();
 
-  // Waits until `op` is done or `timeout` passes (true: done): progresses once, spins for at
+  // Waits until `op` is done (or abandoned, see Op) or `timeout` passes (true: done or
+  // abandoned): progresses once, spins for at
   // least `spin` (longer for large messages), then sleeps on the done condition while the
   // progress thread progresses. Call without the lock.
   bool wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin);
