@@ -122,25 +122,32 @@ void Engine::shutdown() {
   // (worker.hpp says why that is safe only then).
 }
 
-// After a peer failure, messages are left that nobody will receive: from the dead peer, and for
-// the operations failed because of it (a survivor's collective sends). Receiving them into a sink
-// completes their senders' rendezvous (parked sends among them) and spares UCX's warnings about
-// unmatched messages when the worker is destroyed.
+// After a peer failure, messages from the dead peer are left that nobody will receive. Receiving
+// them into sinks spares UCX's warnings about unmatched messages when the worker is destroyed.
+// Only the dead peers' messages: receiving a live peer's rendezvous would restart its send of a
+// buffer its owner may have freed since the collective failed.
 void Engine::discard_unexpected_locked(std::chrono::steady_clock::time_point deadline) {
   // One sink per message: UCX writes a rendezvous message's data while later ones are probed.
   std::vector<std::unique_ptr<char[]>> sinks;
   std::vector<void*> pending;
-  for (int i = 0; i < 100000 && std::chrono::steady_clock::now() < deadline; ++i) {
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_.handle(), 0, 0, 1, &info);
-    if (msg == nullptr) {
-      if (ucp_worker_progress(worker_.handle()) == 0) break;
-      continue;
+  using namespace tag_layout;
+  for (int p = 0, i = 0; p < size_ && i < 100000; ++p) {
+    if (p == rank_ || peers_[p].status == UCS_OK) continue;
+    const ucp_tag_t from = (static_cast<ucp_tag_t>(p) << kRankShift) |
+                           (static_cast<ucp_tag_t>(options_.group) << kGroupShift);
+    for (; i < 100000 && std::chrono::steady_clock::now() < deadline; ++i) {
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h msg =
+          ucp_tag_probe_nb(worker_.handle(), from, kRankMask | kGroupMask, 1, &info);
+      if (msg == nullptr) {
+        if (ucp_worker_progress(worker_.handle()) == 0) break;
+        continue;
+      }
+      sinks.emplace_back(new char[std::max<std::size_t>(info.length, 1)]);
+      ucp_request_param_t prm{};
+      void* r = ucp_tag_msg_recv_nbx(worker_.handle(), sinks.back().get(), info.length, msg, &prm);
+      if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
     }
-    sinks.emplace_back(new char[std::max<std::size_t>(info.length, 1)]);
-    ucp_request_param_t prm{};
-    void* r = ucp_tag_msg_recv_nbx(worker_.handle(), sinks.back().get(), info.length, msg, &prm);
-    if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
   }
   if (!complete_requests_locked(worker_.handle(), pending, deadline)) {
     // Still being received at the deadline: UCX may write into the sinks until the worker goes.
