@@ -13,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "commux/communicator.hpp"
 #include "commux/store.hpp"
@@ -54,6 +55,16 @@ struct RunOptions {
 // Runs body(comm) in `size` processes, each with a Communicator over a shared fresh FileStore.
 // Fails the current GoogleTest test (ADD_FAILURE) with each failing rank's reason.
 void run_ranks(int size, const std::function<void(Communicator&)>& body, RunOptions opts = {});
+
+// Several independent worlds at once (each with its own store), so that cases that mostly wait
+// (for a peer's death to be noticed, say) overlap. Failures name the world.
+struct World {
+  std::string name;  // e.g. "allreduce, 3 ranks, rank 1 killed"
+  int size = 2;
+  std::function<void(Communicator&)> body;
+  RunOptions opts;
+};
+void run_worlds(const std::vector<World>& worlds);
 
 // Lower level: body(rank, size, store_dir) without a Communicator.
 void run_procs(int size, const std::function<void(int, int, const std::string&)>& body,

@@ -1,13 +1,20 @@
 // Failures: truncation, timeouts, cancellation, dead peers, bounded shutdown, idle waiting.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdint>
 #include <cstdio>
+#include <set>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "commux/collectives.hpp"
 #include "harness.hpp"
 
 using namespace commux;
@@ -138,6 +145,21 @@ TEST(Failures, DeadPeerFailsPendingOps) {
       o);
 }
 
+// A rank that never joins is named as the one missing, on every rank that did, after the
+// bootstrap timeout.
+TEST(Failures, RankThatNeverJoinsIsNamed) {
+  run_procs(3, [](int rank, int size, const std::string& dir) {
+    if (rank == 2) return;  // never creates its Communicator
+    Options o = default_test_options();
+    o.timeout = std::chrono::milliseconds(500);
+    const std::string msg = expect_error(Errc::kTimeout, [&] {
+      Communicator c(std::make_shared<FileStore>(dir), rank, size, o);
+    });
+    CX_CHECK_HAS(msg, "rank 2 of 3 has not joined");
+    CX_CHECK_HAS(msg, "this is rank " + std::to_string(rank));
+  });
+}
+
 // Ranks that finish at different times, with receives still posted, shut down promptly.
 TEST(Failures, ShutdownIsBoundedWhenRanksFinishApart) {
   run_ranks(3, [](Communicator& c) {
@@ -205,3 +227,249 @@ TEST(Failures, BlockingRecvTimeoutCancels) {
       },
       o);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Dead peers on every path: every rank runs a loop of one operation and one rank is SIGKILLed
+// while the loop runs. Every survivor must fail with kPeerFailed naming the dead rank well before
+// the 20 s operation timeout, whatever the operation, the protocol (eager, rendezvous) and the
+// world; and a later collective fails at once. (Point-to-point between the survivors is not checked after the death:
+// a rank killed in the middle of writing into a survivor's shared-memory queue can leave it
+// blocked, which commux cannot repair.) World sizes 2, 3, 4, the killed rank first, middle and last: all
+// worlds of one operation run at once (most of each case is waiting for the death to be seen).
+
+namespace {
+
+enum class Loop {
+  kSend,          // blocking send() of 1 MiB (rendezvous) to the victim, which receives them
+  kRecv,          // blocking recv() of 4 KiB (eager) from the victim, which sends them
+  kIsend64M,      // isend() of 64 MiB to the victim, which receives them
+  kAllreduce,     // 1000 float32
+  kAllreduce64M,  // 16 Mi float32
+  kBroadcast,     // 1 MiB from rank 0
+  kAllgather,     // 64 KiB per rank
+  kAlltoall,      // 64 KiB per pair
+  kBarrier,
+};
+
+const char* loop_name(Loop k) {
+  switch (k) {
+    case Loop::kSend: return "send";
+    case Loop::kRecv: return "recv";
+    case Loop::kIsend64M: return "isend_64MiB";
+    case Loop::kAllreduce: return "allreduce";
+    case Loop::kAllreduce64M: return "allreduce_64MiB";
+    case Loop::kBroadcast: return "broadcast";
+    case Loop::kAllgather: return "allgather";
+    case Loop::kAlltoall: return "alltoall";
+    case Loop::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// What the ranks of one world share outside commux: when the victim died (CLOCK_MONOTONIC, the
+// same in every process of the host) and how many survivors are done.
+struct WorldShared {
+  std::atomic<std::int64_t> killed_at{0};
+  std::atomic<int> arrived{0};
+};
+
+// A page shared by the forked ranks, one slot per world.
+class SharedSlots {
+ public:
+  SharedSlots() {
+    void* p = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
+    slots_ = new (p) WorldShared[kSlots];
+  }
+  ~SharedSlots() { ::munmap(slots_, kBytes); }
+  SharedSlots(const SharedSlots&) = delete;
+  SharedSlots& operator=(const SharedSlots&) = delete;
+  WorldShared& operator[](std::size_t world) { return slots_[world]; }
+
+ private:
+  static constexpr std::size_t kBytes = 4096;
+  static constexpr std::size_t kSlots = kBytes / sizeof(WorldShared);
+  WorldShared* slots_;
+};
+
+// Every rank of `ranks` exchanges a byte with every other one (user tag 999).
+void handshake_all(Communicator& c, const std::vector<int>& ranks) {
+  std::vector<unsigned char> out(1, 1), in(ranks.size());
+  std::vector<Request> reqs;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] == c.rank()) continue;
+    reqs.push_back(c.irecv(Buffer{&in[i], 1}, ranks[i], 999));
+    reqs.push_back(c.isend(Buffer{out.data(), 1}, ranks[i], 999));
+  }
+  for (Request& r : reqs) r.wait(std::chrono::seconds(10));
+}
+
+// One iteration of `k` on this rank (for point-to-point, the victim's side differs).
+void step(Loop k, Communicator& c, int victim, std::uint32_t iter, std::vector<char>& a,
+          std::vector<char>& b) {
+  const int me = c.rank();
+  const int n = c.size();
+  coll::Context ctx;
+  ctx.comm = &c;
+  ctx.tag = iter;
+  ctx.op_name = loop_name(k);
+  switch (k) {
+    case Loop::kSend:
+    case Loop::kRecv:
+    case Loop::kIsend64M: {
+      const std::size_t bytes = k == Loop::kSend ? (1u << 20) : k == Loop::kRecv ? 4096 : 64u << 20;
+      a.resize(bytes);
+      const bool to_victim = k != Loop::kRecv;
+      if (me != victim) {
+        if (k == Loop::kSend) c.send({Buffer{a.data(), bytes}}, victim, 5);
+        if (k == Loop::kRecv) c.recv({Buffer{a.data(), bytes}}, victim, 5);
+        if (k == Loop::kIsend64M) c.isend(Buffer{a.data(), bytes}, victim, 5).wait();
+        return;
+      }
+      b.resize(bytes * static_cast<std::size_t>(n));
+      std::vector<Request> reqs;
+      for (int p = 0; p < n; ++p) {
+        if (p == me) continue;
+        Buffer buf{b.data() + bytes * static_cast<std::size_t>(p), bytes};
+        reqs.push_back(to_victim ? c.irecv(buf, p, 5) : c.isend(buf, p, 5));
+      }
+      for (Request& r : reqs) r.wait();
+      return;
+    }
+    case Loop::kAllreduce:
+    case Loop::kAllreduce64M: {
+      const std::size_t count = k == Loop::kAllreduce ? 1000 : std::size_t{16} << 20;
+      a.resize(count * 4);
+      coll::allreduce(ctx, a.data(), count, DataType::kFloat32, ReduceOp::kSum);
+      return;
+    }
+    case Loop::kBroadcast:
+      a.resize(1u << 20);
+      coll::broadcast(ctx, a.data(), a.size(), 0);
+      return;
+    case Loop::kAllgather:
+      a.resize(64u << 10);
+      b.resize(a.size() * static_cast<std::size_t>(n));
+      coll::allgather(ctx, a.data(), a.size(), b.data());
+      return;
+    case Loop::kAlltoall: {
+      const std::size_t each = 64u << 10;
+      a.resize(each * static_cast<std::size_t>(n));
+      b.resize(a.size());
+      std::vector<std::size_t> counts(static_cast<std::size_t>(n), each), displs;
+      for (int p = 0; p < n; ++p) displs.push_back(each * static_cast<std::size_t>(p));
+      coll::alltoallv(ctx, a.data(), counts.data(), displs.data(), b.data(), counts.data(),
+                      displs.data());
+      return;
+    }
+    case Loop::kBarrier: coll::barrier(ctx); return;
+  }
+}
+
+void dead_peer_case(Loop k, Communicator& c, int victim, WorldShared& shared) {
+  std::atomic<std::int64_t>& killed_at = shared.killed_at;
+  const int me = c.rank();
+  std::vector<int> all, survivors;
+  for (int p = 0; p < c.size(); ++p) {
+    all.push_back(p);
+    if (p != victim) survivors.push_back(p);
+  }
+  handshake_all(c, all);  // every endpoint wired up before anyone dies
+  std::vector<char> a, b;
+  if (me == victim) {
+    std::thread([&killed_at] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      killed_at.store(now_ns());
+      ::kill(::getpid(), SIGKILL);
+    }).detach();
+    try {
+      for (std::uint32_t i = 0;; ++i) step(k, c, victim, i, a, b);
+    } catch (...) {
+    }
+    for (;;) ::pause();  // the killer thread ends the process
+  }
+  const auto start = Clock::now();
+  std::string msg;
+  for (std::uint32_t i = 0;; ++i) {
+    try {
+      step(k, c, victim, i, a, b);
+    } catch (const Error& e) {
+      if (e.code() != Errc::kPeerFailed) {
+        check_failed(__FILE__, __LINE__,
+                     std::string("expected kPeerFailed but got ") + errc_name(e.code()) + ": " +
+                         e.what());
+      }
+      msg = e.what();
+      break;
+    }
+    if (Clock::now() - start > std::chrono::seconds(30)) {
+      check_failed(__FILE__, __LINE__, "the loop went on for 30 s although a rank was killed");
+    }
+  }
+  const double after = static_cast<double>(now_ns() - killed_at.load()) * 1e-9;
+  std::fprintf(stderr, "[%s, rank %d of %d, rank %d killed] failed %.3f s after the kill: %s\n",
+               loop_name(k), me, c.size(), victim, after, msg.c_str());
+  const std::string who = "peer " + std::to_string(victim);
+  CX_CHECK_HAS(msg, who);
+  CX_CHECK_HAS(msg, "gone");
+  CX_CHECK(killed_at.load() != 0);
+  CX_CHECK(after < 10.0);  // the operation timeout is 20 s; detection takes well under 1 s
+  // The group has lost a rank: a new collective fails at once, naming it.
+  coll::Context ctx;
+  ctx.comm = &c;
+  ctx.tag = 12345;
+  ctx.op_name = "barrier";
+  const auto t0 = Clock::now();
+  CX_CHECK_HAS(expect_error(Errc::kPeerFailed, [&] { coll::barrier(ctx); }), who);
+  CX_CHECK(Clock::now() - t0 < std::chrono::seconds(5));
+  // Nobody leaves before every survivor has seen the failure (a survivor that left would be a
+  // second dead peer to the others). Not through commux: a shared-memory queue the dead rank left
+  // half written may hold up the survivors' own messages.
+  shared.arrived.fetch_add(1);
+  const auto b0 = Clock::now();
+  while (shared.arrived.load() < c.size() - 1 && Clock::now() - b0 < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const auto s0 = Clock::now();
+  c.shutdown();
+  CX_CHECK(Clock::now() - s0 < c.options().shutdown_timeout + std::chrono::seconds(1));
+}
+
+}  // namespace
+
+class DeadPeer : public ::testing::TestWithParam<Loop> {};
+
+TEST_P(DeadPeer, EverySurvivorFailsNamingIt) {
+  const Loop k = GetParam();
+  SharedSlots shared;
+  std::vector<World> worlds;
+  for (int n = 2; n <= 4; ++n) {
+    const std::set<int> victims = {0, n / 2, n - 1};  // first, middle, last
+    for (int v : victims) {
+      const std::size_t id = worlds.size();
+      World w;
+      w.name = std::string(loop_name(k)) + ", " + std::to_string(n) + " ranks, rank " +
+               std::to_string(v) + " killed";
+      w.size = n;
+      w.opts.timeout_s = 60;
+      w.opts.expect_killed = {v};
+      w.opts.comm.timeout = std::chrono::seconds(20);
+      w.body = [k, v, id, &shared](Communicator& c) { dead_peer_case(k, c, v, shared[id]); };
+      worlds.push_back(std::move(w));
+    }
+  }
+  run_worlds(worlds);
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, DeadPeer,
+                         ::testing::Values(Loop::kSend, Loop::kRecv, Loop::kIsend64M,
+                                           Loop::kAllreduce, Loop::kAllreduce64M, Loop::kBroadcast,
+                                           Loop::kAllgather, Loop::kAlltoall, Loop::kBarrier),
+                         [](const ::testing::TestParamInfo<Loop>& i) {
+                           return std::string(loop_name(i.param));
+                         });

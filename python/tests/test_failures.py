@@ -7,6 +7,7 @@ rank that is waiting, and every rank must exit.
 import functools
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -189,6 +190,52 @@ def test_dead_peer_raises_not_hangs(kind):
             problems.append(f"rank {o.rank}: raised only after {r['s']:.1f}s: {r['msg']}")
     assert not problems, "\n".join(problems)
     assert_all_exited(closed, ranks={0, 1})
+
+
+# The cases of defect 3 in issue 13, each of which waited for the whole group timeout: the
+# receiver of a 64 MiB isend is SIGKILLed mid-transfer, and the middle rank of three is SIGKILLed
+# during a loop of 64 MiB all_reduces. Every survivor must raise naming the dead rank well before
+# the group timeout (the C++ matrix in tests/test_failures.cpp covers every op and position).
+KILL_PG_TIMEOUT = 30
+BIG = 16 << 20  # float32 elements: 64 MiB
+
+
+def _killed_during(ctx, kind, victim):
+    if ctx.rank == victim:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if kind == "isend_64MiB":
+        if ctx.rank == victim:
+            x = torch.empty(BIG)
+            while True:
+                dist.irecv(x, src=0, tag=4).wait()
+        return expect_raises(lambda: [dist.isend(torch.ones(BIG), dst=victim, tag=4).wait() for _ in range(1000)])
+    x = torch.ones(BIG)
+    return expect_raises(lambda: [dist.all_reduce(x) for _ in range(1000)])
+
+
+@pytest.mark.ucx_semantics
+@pytest.mark.parametrize("kind,world,victim", [("isend_64MiB", 2, 1), ("all_reduce_64MiB", 3, 1)])
+def test_killed_peer_is_named_promptly(kind, world, victim):
+    outs, closed = mp.run_once(_killed_during, world, kind, victim, backend=BACKEND, pg_timeout_s=KILL_PG_TIMEOUT,
+                               timeout=90, expect_dead={victim})
+    problems = []
+    for o in outs:
+        if o.rank == victim:
+            continue
+        if not o.ok:
+            problems.append(o.describe())
+            continue
+        r = o.value
+        print(f"rank {o.rank}: {kind}: raised={r['raised']} after {r['s']:.2f} s: {r['msg']}")
+        if not r["raised"]:
+            problems.append(f"rank {o.rank}: the {kind} loop ended without an error although rank {victim} was killed")
+        elif r["s"] > KILL_PG_TIMEOUT / 3:  # the kill comes 0.5 s in; detection takes well under 1 s
+            problems.append(f"rank {o.rank}: raised only after {r['s']:.1f}s "
+                            f"(group timeout {KILL_PG_TIMEOUT}s): {r['msg']}")
+        elif not (mentions_number(r["msg"], ("peer", "rank"), victim) and mentions(r["msg"], "gone")):
+            problems.append(f"rank {o.rank}: the error does not say that rank {victim} is gone: {r['msg']!r}")
+    assert not problems, "\n".join(problems)
+    assert_all_exited(closed, ranks=set(range(world)) - {victim})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ void Engine::shutdown() {
   // Only this Engine's operations and endpoints: the worker, its progress thread and the other
   // Engines' operations go on (docs/progress.md, "One worker per process").
   worker_.detach(this);  // no progress step or peer check calls into this Engine after this
+  bool failed = false;
   {
     std::lock_guard<std::mutex> lock(worker_.mutex());
     if (shut_down_) return;
@@ -123,13 +124,20 @@ void Engine::shutdown() {
         op->cancel_parts_locked(worker_.handle());
       }
     }
+    failed = worker_.handle() != nullptr && peers_.any_failed_locked();
     if (worker_.handle() != nullptr) {
+      if (failed) discard_unexpected_locked(deadline);  // the dead peers' messages
       peers_.close_all_locked(deadline);  // flushes (or force-closes) what is still queued
       run_deferred_locked();
-      // Messages to this group that nothing received: a later communicator may get its id.
-      worker_.drop_unexpected_locked(
-          std::uint64_t(options_.group) << tag_layout::kGroupShift, tag_layout::kGroupMask,
-          std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
+      // Messages to this group that nothing received: a later communicator may get its id. After
+      // a peer failure only the dead peers' are received (above): receiving a live peer's
+      // rendezvous would restart its abandoned send, whose buffer its owner may have freed; the
+      // group id is then kept (below), so no later communicator can match what is left.
+      if (!failed) {
+        worker_.drop_unexpected_locked(
+            std::uint64_t(options_.group) << tag_layout::kGroupShift, tag_layout::kGroupMask,
+            std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
+      }
     }
     pending = own_inflight_locked();
     for (auto& op : pending) {
@@ -142,10 +150,18 @@ void Engine::shutdown() {
       op->remaining = 0;
       finish_locked(*op);
     }
+    // Failed ops UCX still holds parts of, and the sinks of dead peers' messages still being
+    // received: the shared worker lives on and may still write into them.
+    for (auto& op : parked_) {
+      if (worker_.handle() != nullptr) placement_.hub->keep_forever_locked(op);
+    }
+    parked_.clear();
+    for (auto& sink : unfinished_sinks_) static_cast<void>(sink.release());
+    unfinished_sinks_.clear();
     deferred_.clear();
     to_cancel_.clear();
   }
-  placement_.hub->release(placement_.group);
+  if (!failed) placement_.hub->release(placement_.group);
   // The wake fd stays open until the Hub goes, after this: waiting threads kick() it without the
   // lock (worker.hpp says why that is safe only then).
 }
@@ -156,6 +172,39 @@ std::vector<std::shared_ptr<Op>> Engine::own_inflight_locked() const {
     if (op->engine.get() == this) out.push_back(op->self);
   }
   return out;
+}
+
+// After a peer failure, messages from the dead peer are left that nobody will receive. Receiving
+// them into sinks spares UCX's warnings about unmatched messages when the worker is destroyed.
+// Only the dead peers' messages: receiving a live peer's rendezvous would restart its send of a
+// buffer its owner may have freed since the collective failed.
+void Engine::discard_unexpected_locked(std::chrono::steady_clock::time_point deadline) {
+  // One sink per message: UCX writes a rendezvous message's data while later ones are probed.
+  std::vector<std::unique_ptr<char[]>> sinks;
+  std::vector<void*> pending;
+  using namespace tag_layout;
+  for (int p = 0, i = 0; p < size_ && i < 100000; ++p) {
+    if (p == rank_ || peers_[p].status == UCS_OK) continue;
+    const ucp_tag_t from = (static_cast<ucp_tag_t>(p) << kRankShift) |
+                           (static_cast<ucp_tag_t>(options_.group) << kGroupShift);
+    for (; i < 100000 && std::chrono::steady_clock::now() < deadline; ++i) {
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h msg =
+          ucp_tag_probe_nb(worker_.handle(), from, kRankMask | kGroupMask, 1, &info);
+      if (msg == nullptr) {
+        if (ucp_worker_progress(worker_.handle()) == 0) break;
+        continue;
+      }
+      sinks.emplace_back(new char[std::max<std::size_t>(info.length, 1)]);
+      ucp_request_param_t prm{};
+      void* r = ucp_tag_msg_recv_nbx(worker_.handle(), sinks.back().get(), info.length, msg, &prm);
+      if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
+    }
+  }
+  if (!complete_requests_locked(worker_.handle(), pending, deadline)) {
+    // Still being received at the deadline: UCX may write into the sinks until the worker goes.
+    unfinished_sinks_ = std::move(sinks);
+  }
 }
 
 }  // namespace commux::detail

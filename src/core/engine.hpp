@@ -65,6 +65,15 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   bool await(Op& op, std::chrono::milliseconds timeout, bool spin);
   bool test(Op& op);
   void cancel(Op& op);
+  // Fails `op` with `code` and `reason` (a peer failure): cancels its UCX requests (a receive UCX
+  // has not matched yet then finishes at once) and, unless `linger`, finishes it even if UCX does
+  // not give them back, parking the Op until UCX does. With `linger` (the op's own peer is alive,
+  // so UCX may still be reading or writing its buffers) an op UCX still holds keeps running and
+  // finishes with this error when UCX completes it; Op::lingering_since says since when. Not from
+  // inside a UCX callback. [mu]
+  void fail_op_locked(Op& op, Errc code, const std::string& reason, bool linger);
+  // Gives up waiting for a lingering op: its waits throw its error, it stays posted (Op::abandoned).
+  void abandon_locked(Op& op);
 
  private:
   friend class Worker;  // its progress thread and waits drive the steps below
@@ -74,10 +83,11 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   // One progress step of the shared worker (Worker::progress_locked): UCX's, then every Engine's.
   unsigned progress_locked() { return worker_.progress_locked(); }
   // This Engine's part of a step, after UCX progressed `n` times: the request work callbacks
-  // deferred, then (when UCX had nothing to do) failing receives that wait on gone peers. [mu]
+  // deferred, then failing what waits on gone peers (receives only when UCX had nothing to do).
+  // [mu]
   void step_locked(unsigned n) {
     if (!deferred_.empty() || !to_cancel_.empty()) run_deferred_locked();
-    if (n == 0) peers_.reap_locked();
+    peers_.reap_locked(n == 0);
   }
   void check_local_peers() { peers_.check_local(); }  // takes the lock itself
 
@@ -91,7 +101,9 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   void post_part_locked(Op& op, std::size_t index, bool fast_completion);
   void part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
                         const ucp_tag_recv_info_t* info);
-  void finish_locked(Op& op);
+  void discard_unexpected_locked(std::chrono::steady_clock::time_point deadline);  // shutdown
+  void finish_locked(Op& op);  // with parts still in UCX only for a parked Op
+  void unpark_locked(Op& op);  // UCX gave back the last part of a parked Op
   void run_deferred_locked();
   std::string describe(const Op& op) const;
   // The tag and mask that select `kind` messages of this group from any sender, any part, whose
@@ -112,6 +124,8 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   bool shut_down_ = false;  // [mu] set once shutdown() ran: nothing is posted after
   std::vector<std::shared_ptr<Op>> deferred_;   // [mu] any-source ops whose rest must post
   std::vector<std::shared_ptr<Op>> to_cancel_;  // [mu] ops whose other parts must be cancelled
+  std::vector<std::shared_ptr<Op>> parked_;     // [mu] failed ops UCX still holds parts of
+  std::vector<std::unique_ptr<char[]>> unfinished_sinks_;  // [mu] see discard_unexpected_locked
 };
 
 }  // namespace commux::detail

@@ -104,6 +104,15 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
                 "peer " + std::to_string(peer) + " is gone (" + peers_[peer].reason + "); " +
                     describe(*op));
   }
+  if (tag_kind == TagKind::kInternal) {
+    const int gone = peers_.group_broken_locked();
+    if (gone >= 0) {
+      throw Error(Errc::kPeerFailed,
+                  ErrorSite{name, peer, tag, op->capacity, std::to_string(options_.group)},
+                  peers_.gone(gone) + ", so no collective of its group can complete; " +
+                      describe(*op));
+    }
+  }
   worker_.register_locked(op);
   // An any-source receive in parts learns its sender from part 0, then posts the rest.
   const bool later_rest = kind == Op::Kind::kRecv && peer == kAnySource && nparts > 1;
@@ -128,7 +137,15 @@ void Engine::run_deferred_locked() {
   while (!deferred_.empty() || !to_cancel_.empty()) {
     auto ready = std::move(deferred_);
     deferred_.clear();
-    for (auto& d : ready) post_locked(d, 1, false);
+    for (auto& d : ready) {
+      if (!d->parked) {
+        post_locked(d, 1, false);
+        continue;
+      }
+      // Failed before the rest was posted: those parts never go to UCX.
+      d->remaining -= static_cast<int>(d->parts.size()) - 1;
+      if (d->remaining == 0) unpark_locked(*d);
+    }
     auto cancel = std::move(to_cancel_);
     to_cancel_.clear();
     for (auto& op : cancel) op->cancel_parts_locked(worker_.handle());
@@ -217,6 +234,10 @@ void Engine::recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info
 
 void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
                               const ucp_tag_recv_info_t* info) {
+  if (op.parked) {  // already failed and reported: only UCX's hold on it ends
+    if (--op.remaining == 0) unpark_locked(op);
+    return;
+  }
   if (op.kind == Op::Kind::kRecv) {
     if (info != nullptr && (status == UCS_OK || status == UCS_ERR_MESSAGE_TRUNCATED)) {
       const TagFields f = parse_tag(TagValue{info->sender_tag});
@@ -264,6 +285,16 @@ void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
 }
 
 void Engine::finish_locked(Op& op) {
+  // A transport error from a peer that has died is that peer's failure: say so (UCX may see it
+  // before the process check does; fail_locked is safe inside UCX's callbacks).
+  const int with = op.peer != kAnySource ? op.peer : op.source;
+  if (!op.has_override && op.status != UCS_OK && op.status != UCS_ERR_CANCELED &&
+      op.status != UCS_ERR_MESSAGE_TRUNCATED && with >= 0 &&
+      peers_.check_gone_locked(with, op.status)) {
+    op.has_override = true;
+    op.override_code = Errc::kPeerFailed;
+    op.override_reason = peers_.gone(with);
+  }
   if (op.has_override) {
     op.error = std::make_exception_ptr(
         Error(op.override_code,
@@ -289,6 +320,47 @@ void Engine::finish_locked(Op& op) {
   worker_.notify_done();
 }
 
+void Engine::fail_op_locked(Op& op, Errc code, const std::string& reason, bool linger) {
+  if (op.done.load()) return;
+  const bool lingering = op.lingering_since != std::chrono::steady_clock::time_point{};
+  if (linger && lingering) return;           // cancelled already
+  const std::shared_ptr<Op> keep = op.self;  // cancelling may finish it
+  if (!op.has_override) {
+    op.has_override = true;
+    op.override_code = code;
+    op.override_reason = reason;
+  }
+  // UCX completes a receive it has not matched yet at once (UCS_ERR_CANCELED, inside the call).
+  if (!lingering) op.cancel_parts_locked(worker_.handle());
+  if (op.done.load()) return;
+  if (linger) {
+    op.lingering_since = std::chrono::steady_clock::now();
+    return;
+  }
+  // What UCX still holds: a send to a peer that is gone (UCX does not complete a shared-memory
+  // rendezvous whose receiver died), or one a live receiver will no longer match; a receive from
+  // a dead peer that UCX had matched (the peer can write nothing more, and progress was idle, so
+  // nothing it sent before is left to copy in). The Op is finished now and parked until UCX
+  // completes its parts (at the latest when the endpoints are closed at shutdown).
+  op.parked = true;
+  parked_.push_back(keep);
+  finish_locked(op);
+}
+
+void Engine::abandon_locked(Op& op) {
+  if (op.done.load() || op.abandoned.load()) return;
+  op.abandoned.store(true);
+  worker_.notify_done();
+}
+
+void Engine::unpark_locked(Op& op) {
+  const auto it = std::find_if(parked_.begin(), parked_.end(),
+                               [&](const std::shared_ptr<Op>& p) { return p.get() == &op; });
+  if (it == parked_.end()) return;
+  std::shared_ptr<Op> keep = std::move(*it);  // released after the erase, not during it
+  parked_.erase(it);
+}
+
 Request Engine::post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
                      int peer, TagKind kind, std::uint32_t tag, bool fast_completion) {
   return make_request(post_op(dir == Direction::kSend ? Op::Kind::kSend : Op::Kind::kRecv, name,
@@ -311,11 +383,17 @@ bool Engine::test(Op& op) {
 }
 
 void Engine::wait(Op& op, std::chrono::milliseconds timeout) {
-  if (worker_.wait(op, timeout, options_.spin)) return;
+  const bool ended = worker_.wait(op, timeout, options_.spin);
+  if (ended && op.done.load()) return;
   std::string d;
   {
     std::lock_guard<std::mutex> lock(worker_.mutex());
     d = describe(op);
+    if (ended) {  // abandoned: its peer failure, while UCX still holds it (Request adds "posted")
+      throw Error(op.override_code,
+                  ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},
+                  op.override_reason + " (" + d + ")");
+    }
   }
   throw Error(Errc::kTimeout,
               ErrorSite{op.name, op.peer, op.tag, op.capacity, std::to_string(options_.group)},

@@ -88,7 +88,17 @@ struct Op final : RequestState {
   std::string detail;                     // [mu] extra facts for the error message
   int source = -1;                        // [mu] real sender (receives)
   std::size_t bytes = 0;                  // [mu] bytes moved
-  std::exception_ptr error;               // set once when finished
+  // [mu] Finished (failed) for commux while UCX still holds some of its parts: the Engine keeps
+  // it alive, off the in-flight list, until UCX completes them (Engine::fail_op_locked).
+  bool parked = false;
+  // [mu] When a peer failure first failed it while UCX was still using its buffers with a live
+  // peer (see Peers::reap_locked); zero otherwise.
+  std::chrono::steady_clock::time_point lingering_since{};
+  // Set (under the mutex, read without it) when such an op has lingered too long: waits then
+  // throw its error at once, while it stays posted and unfinished (UCX may still use its
+  // buffers, so whoever owns them keeps them until it finishes).
+  std::atomic<bool> abandoned{false};
+  std::exception_ptr error;  // set once when finished
 
   // Cancels every part still in flight in UCX (each then completes with UCS_ERR_CANCELED). [mu]
   void cancel_parts_locked(ucp_worker_h worker) noexcept {

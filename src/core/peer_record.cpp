@@ -28,8 +28,10 @@ std::uint64_t start_time_of(std::int32_t pid) {
   if (paren == std::string::npos) return 0;
   std::istringstream fields(stat.substr(paren + 2));
   std::string field;
+  constexpr std::uint64_t kExiting = 0x4;  // PF_EXITING: killed or exiting, its sockets closing
   for (int i = 3; i <= 22 && (fields >> field); ++i) {
     if (i == 3 && (field == "Z" || field == "X")) return 0;
+    if (i == 9 && (std::stoull(field) & kExiting) != 0) return 0;
     if (i == 22) return std::stoull(field);
   }
   return 0;

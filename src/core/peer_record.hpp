@@ -20,7 +20,7 @@ struct ProcessIdentity {
 };
 
 ProcessIdentity self_identity();
-// False once the process has exited (or its pid was reused by another process).
+// False once the process is exiting or has exited (or its pid was reused by another process).
 bool process_alive(const ProcessIdentity& id);
 
 struct PeerRecord {

@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "lanes.hpp"
+#include "engine.hpp"
 #include "op.hpp"
 #include "status.hpp"
 #include "worker.hpp"
@@ -48,8 +49,19 @@ void Peers::connect(Store& store, const Options& options) {
   for (int p = 0; p < size_; ++p) {
     // Start with the right-hand neighbour so ranks do not all wait on rank 0's key first.
     const int peer = (rank_ + p) % size_;
-    const PeerRecord remote = decode_record(store.get(addr_key(options, peer), options.timeout),
-                                            "rank " + std::to_string(peer));
+    std::vector<std::uint8_t> record;
+    try {
+      record = store.get(addr_key(options, peer), options.timeout);
+    } catch (const Error& e) {
+      if (e.code() != Errc::kTimeout) throw;
+      throw Error(Errc::kTimeout,
+                  "commux init: rank " + std::to_string(peer) + " of " + std::to_string(size_) +
+                      " has not joined group " + std::to_string(options.group) +
+                      ": its address was not in " + "the store within " +
+                      std::to_string(options.timeout.count()) + " ms (this is rank " +
+                      std::to_string(rank_) + "; " + e.what() + ")");
+    }
+    const PeerRecord remote = decode_record(record, "rank " + std::to_string(peer));
     Peer& pr = (*this)[peer];
     pr.identity = remote.identity;
     pr.same_host = remote.identity.host == me.host;
@@ -88,23 +100,16 @@ void Peers::ep_error_cb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 }
 
 void Peers::fail_locked(int peer, ucs_status_t status, const std::string& reason) {
-  // Sends to the peer are failed by UCX (peer error handling) or by the force-close in
-  // check_local(). Receives are worker-level: messages the peer sent before it went may still be
-  // in flight, so receives are failed later, once progress is idle and a grace period has passed
-  // (reap_locked).
+  // Only marks the peer: this may run inside a UCX callback (the endpoint's error handler), where
+  // requests may not be cancelled. reap_locked() fails what waits on it, at the next progress step.
   Peer& pr = (*this)[peer];
   if (pr.status != UCS_OK) return;
   pr.status = status;
   pr.failed_at = Clock::now();
   pr.reason = reason;
+  if (!any_failed_) first_failed_ = peer;
   any_failed_ = true;
-  for (Op* op = worker_.inflight_locked(); op != nullptr; op = op->next) {
-    if (op->kind == Op::Kind::kSend && op->peer == peer && !op->has_override && mine(*op)) {
-      op->has_override = true;
-      op->override_code = Errc::kPeerFailed;
-      op->override_reason = "peer " + std::to_string(peer) + " is gone (" + reason + ")";
-    }
-  }
+  next_reap_ = {};
 }
 
 bool Peers::mine(const Op& op) const noexcept {
@@ -131,31 +136,97 @@ void Peers::check_local() {
   }
 }
 
-void Peers::reap_failed_locked() {
-  constexpr auto kGrace = std::chrono::milliseconds(100);
+// Receives from a gone peer wait kRecvGrace with progress idle, so that messages it sent before
+// it went are delivered first. The group's collectives (internal traffic) cannot complete once any
+// member is gone, whoever their own peer is: a survivor may wait on another survivor that has
+// already given up, or on a shared-memory queue the dead process left half written. They fail
+// after kGroupGrace, which leaves a collective that a member finished just before it exited the
+// time to finish on the others. An op of theirs with a live peer that UCX still holds lingers
+// (that peer may be reading or writing its buffers in a rendezvous under way, which then
+// completes within milliseconds): for kSendLinger (a send) or kRecvLinger (a receive). One still
+// held after that is stalled (typically behind a shared-memory queue the dead rank left half
+// written) and abandoned: its waits throw, but it is not finished, since that peer could still
+// read or write its buffers; it finishes when UCX completes it, at the latest at shutdown.
+namespace {
+constexpr auto kRecvGrace = std::chrono::milliseconds(100);
+constexpr auto kGroupGrace = std::chrono::milliseconds(300);
+constexpr auto kSendLinger = std::chrono::milliseconds(300);
+constexpr auto kRecvLinger = std::chrono::milliseconds(1000);
+}  // namespace
+
+std::string Peers::gone(int peer) const {
+  return "peer " + std::to_string(peer) + " is gone (" + (*this)[peer].reason + ")";
+}
+
+bool Peers::check_gone_locked(int peer, ucs_status_t status) {
+  Peer& pr = (*this)[peer];
+  if (pr.status != UCS_OK || peer == rank_) return pr.status != UCS_OK;
+  if (pr.same_host && !process_alive(pr.identity)) {
+    fail_locked(peer, UCS_ERR_CONNECTION_RESET,
+                "its process " + std::to_string(pr.identity.pid) + " on this host has exited");
+  } else if (status == UCS_ERR_CONNECTION_RESET || status == UCS_ERR_ENDPOINT_TIMEOUT ||
+             status == UCS_ERR_UNREACHABLE) {
+    fail_locked(peer, status, ucs_status_string(status));  // the endpoint's error, come first
+  }
+  return pr.status != UCS_OK;
+}
+
+int Peers::group_broken_locked() const {
+  if (!any_failed_ || Clock::now() - (*this)[first_failed_].failed_at < kGroupGrace) return -1;
+  return first_failed_;
+}
+
+void Peers::reap_failed_locked(bool idle) {
   const auto now = Clock::now();
   if (now < next_reap_) return;
   next_reap_ = now + std::chrono::milliseconds(10);
-  std::vector<std::shared_ptr<Op>> victims;
-  for (Op* op = worker_.inflight_locked(); op != nullptr; op = op->next) {
-    if (op->kind != Op::Kind::kRecv || op->has_override || !mine(*op)) continue;
-    const int from = op->peer != kAnySource ? op->peer
+  const bool group_failed = idle && group_broken_locked() >= 0;
+  for (const std::shared_ptr<Op>& op : worker_.inflight_snapshot_locked()) {
+    if (op->done.load() || !mine(*op)) continue;  // the shared worker holds other groups' ops
+    if (op->has_override && op->override_code != Errc::kPeerFailed) continue;  // finishing
+    // The peer this op is with: for an any-source receive, its sender once part 0 matched.
+    const int with = op->peer != kAnySource ? op->peer
                                             : (op->remaining > 0 && op->parts.size() > 1 &&
                                                        op->parts[0].ucx_req == nullptr
                                                    ? op->source
                                                    : kAnySource);
-    if (from == kAnySource) continue;
-    const Peer& pr = (*this)[from];
-    if (pr.status != UCS_OK && now - pr.failed_at >= kGrace) victims.push_back(op->self);
+    const bool with_gone = with != kAnySource && (*this)[with].status != UCS_OK;
+    if (op->abandoned.load() && !with_gone) continue;
+    Engine& engine = *op->engine;
+    if (with_gone && op->kind == Op::Kind::kSend) {
+      engine.fail_op_locked(*op, Errc::kPeerFailed, gone(with), false);
+    } else if (with_gone && idle && now - (*this)[with].failed_at >= kRecvGrace) {
+      engine.fail_op_locked(*op, Errc::kPeerFailed,
+                            gone(with) + " and no matching message from it had arrived", false);
+    } else if (op->tag_kind == TagKind::kInternal && group_failed) {
+      // (With a gone peer of its own it lingers only until the branches above finish it.)
+      engine.fail_op_locked(
+          *op, Errc::kPeerFailed,
+          gone(first_failed_) + ", so this collective of its group cannot complete", true);
+      const auto bound = op->kind == Op::Kind::kRecv ? kRecvLinger : kSendLinger;
+      if (!op->done.load() && !with_gone && now - op->lingering_since >= bound) {
+        engine.abandon_locked(*op);
+      }
+    }
   }
-  for (auto& op : victims) {
-    const int p = op->peer != kAnySource ? op->peer : op->source;
-    op->has_override = true;
-    op->override_code = Errc::kPeerFailed;
-    op->override_reason = "peer " + std::to_string(p) + " is gone (" + (*this)[p].reason +
-                          ") and no matching message from it had arrived";
-    op->cancel_parts_locked(worker_.handle());
+}
+
+bool complete_requests_locked(ucp_worker_h worker, std::vector<void*>& requests,
+                              Clock::time_point deadline) {
+  while (!requests.empty() && Clock::now() < deadline) {
+    if (ucp_worker_progress(worker) == 0) ::usleep(50);
+    requests.erase(std::remove_if(requests.begin(), requests.end(),
+                                  [](void* r) {
+                                    if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+                                    ucp_request_free(r);
+                                    return true;
+                                  }),
+                   requests.end());
   }
+  const bool all = requests.empty();
+  for (void* r : requests) ucp_request_free(r);  // released by UCX when they complete
+  requests.clear();
+  return all;
 }
 
 void Peers::close_all_locked(Clock::time_point deadline) {
@@ -165,17 +236,7 @@ void Peers::close_all_locked(Clock::time_point deadline) {
     if (void* r = start_close(pr.ep, pr.status != UCS_OK)) closing.push_back(r);
     pr.ep = nullptr;
   }
-  while (!closing.empty() && Clock::now() < deadline) {
-    if (ucp_worker_progress(worker_.handle()) == 0) ::usleep(50);
-    closing.erase(std::remove_if(closing.begin(), closing.end(),
-                                 [](void* r) {
-                                   if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
-                                   ucp_request_free(r);
-                                   return true;
-                                 }),
-                  closing.end());
-  }
-  for (void* r : closing) ucp_request_free(r);  // released by UCX when the worker goes
+  complete_requests_locked(worker_.handle(), closing, deadline);
   for (void* r : closing_) ucp_request_free(r);
   closing_.clear();
 }

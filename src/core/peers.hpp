@@ -4,7 +4,8 @@
 //
 // Ownership: Peers owns the endpoints (from connect() to close_all_locked()) and the force-close
 // requests of dead same-host peers. It uses its Worker (which must outlive it) and the Worker's
-// in-flight list, whose Ops it marks when their peer fails; it owns none of them.
+// in-flight list, whose Ops it fails (through their Engine) when their peer fails; it owns none
+// of them.
 // Locks: fields marked [mu] are guarded by the worker mutex (Worker::mutex()).
 #pragma once
 
@@ -26,6 +27,12 @@ class Engine;
 class Peers;
 class Worker;
 struct Op;
+
+// Progresses `worker` until every request in `requests` has completed or `deadline` passes, and
+// frees them all (those still in progress are released by UCX when they complete); empties the
+// list. True if all completed. [mu]
+bool complete_requests_locked(ucp_worker_h worker, std::vector<void*>& requests,
+                              std::chrono::steady_clock::time_point deadline);
 
 struct Peer {
   ucp_ep_h ep = nullptr;         // [mu] nullptr before connecting and once closed
@@ -57,24 +64,37 @@ class Peers {
   Peer& operator[](int peer) noexcept { return peers_[static_cast<std::size_t>(peer)]; }
   const Peer& operator[](int peer) const noexcept { return peers_[static_cast<std::size_t>(peer)]; }
 
-  // Marks `peer` gone (once; later calls keep the first reason) and fails the sends in flight to
-  // it. Receives from it are failed later by reap_locked(). [mu]
+  // Marks `peer` gone (once; later calls keep the first reason); reap_locked() then fails what
+  // waits on it. May be called from inside a UCX callback. [mu]
   void fail_locked(int peer, ucs_status_t status, const std::string& reason);
   // Checks whether the same-host peers' processes still live; fails and force-closes the dead
   // ones. Takes the worker mutex; called by the progress thread.
   void check_local();
-  // Fails receives waiting on a gone peer once nothing from it has matched for a grace period.
-  // Cheap unless some peer has failed. [mu]
-  void reap_locked() {
-    if (any_failed_) reap_failed_locked();
+  // Once a peer is gone, fails every operation that cannot complete, naming the peer: sends to it
+  // at once; receives from it, and the group's collective traffic with any peer, once progress is
+  // `idle` and a grace period has passed. Any-source receives stay posted (live peers may still
+  // send). Cheap unless some peer has failed. Not from inside a UCX callback. [mu]
+  void reap_locked(bool idle) {
+    if (any_failed_) reap_failed_locked(idle);
   }
+  // After an operation with `peer` failed with `status`: true if the peer is gone. A same-host
+  // peer's process is checked now (UCX may report the error before the periodic check sees the
+  // death), and a connection error marks the peer gone (UCX may fail the request before it calls
+  // the endpoint's error handler). Safe inside UCX callbacks. [mu]
+  bool check_gone_locked(int peer, ucs_status_t status);
+  // A gone peer whose absence fails every collective of the group from now on (one that failed
+  // more than the grace period ago, see reap_locked), or -1. [mu]
+  int group_broken_locked() const;
+  std::string gone(int peer) const;  // "peer 2 is gone (why)" [mu]
+  bool any_failed_locked() const noexcept { return any_failed_; }
+
   // Closes every endpoint (force-closing those to gone peers) and progresses the worker until
   // the closes complete or `deadline` passes; frees what is left. [mu]
   void close_all_locked(std::chrono::steady_clock::time_point deadline);
 
  private:
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
-  void reap_failed_locked();
+  void reap_failed_locked(bool idle);
 
   bool mine(const Op& op) const noexcept;  // an Op of this Peers' Engine
 
@@ -85,6 +105,7 @@ class Peers {
   std::vector<Peer> peers_;     // sized once in connect() (the error callbacks hold &peers_[p])
   std::vector<void*> closing_;  // [mu] force-close requests of dead peers
   bool any_failed_ = false;     // [mu]
+  int first_failed_ = -1;       // [mu] the first peer that failed, once any_failed_
   std::chrono::steady_clock::time_point next_reap_{};  // [mu]
 };
 

@@ -196,7 +196,7 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
           : std::min(deadline,
                      start + std::clamp<std::chrono::microseconds>(expected, spin, kMaxSpin));
   spinners_.fetch_add(1);
-  for (unsigned iter = 1; !op.done.load(); ++iter) {
+  for (unsigned iter = 1; !op.done.load() && !op.abandoned.load(); ++iter) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       progress_locked();
@@ -213,10 +213,10 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   kick();
   {
     std::unique_lock<std::mutex> lock(done_mu_);
-    done_cv_.wait_until(lock, deadline, [&] { return op.done.load(); });
+    done_cv_.wait_until(lock, deadline, [&] { return op.done.load() || op.abandoned.load(); });
   }
   sleepers_.fetch_sub(1);
-  return op.done.load();
+  return op.done.load() || op.abandoned.load();
 }
 
 }  // namespace commux::detail

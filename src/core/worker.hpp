@@ -91,9 +91,10 @@ class Worker {
   void start_progress_thread();
   void stop_progress_thread();
 
-  // Waits until `op` is done or `timeout` passes (true: done): progresses once, spins for at
-  // least `spin` (longer for large messages; a negative `spin`: not at all), then sleeps on the
-  // done condition while the progress thread progresses. Call without the lock.
+  // Waits until `op` is done (or abandoned, see Op) or `timeout` passes (true: done or
+  // abandoned): progresses once, spins for at least `spin` (longer for large messages; a negative
+  // `spin`: not at all), then sleeps on the done condition while the progress thread progresses.
+  // Call without the lock.
   bool wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin);
   // After setting an Op's done flag: wakes the threads sleeping in wait(), if any.
   void notify_done() {
