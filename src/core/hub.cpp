@@ -65,7 +65,19 @@ Hub::Placement Hub::join(Store& store, int rank, int size, const Options& option
   Ids all = mine;
   for (int p = 1; p < size; ++p) {
     const int peer = (rank + p) % size;
-    all |= decode_ids(store.get(key(peer), options.timeout), peer);
+    std::vector<std::uint8_t> ids;
+    try {
+      ids = store.get(key(peer), options.timeout);
+    } catch (const Error& e) {
+      if (e.code() != Errc::kTimeout) throw;
+      throw Error(Errc::kTimeout, "commux init: rank " + std::to_string(peer) + " of " +
+                                      std::to_string(size) + " has not joined group " +
+                                      std::to_string(options.group) + " within " +
+                                      std::to_string(options.timeout.count()) +
+                                      " ms (this is rank " + std::to_string(rank) + "; " +
+                                      e.what() + ")");
+    }
+    all |= decode_ids(ids, peer);
   }
   int id = -1;
   for (int k = 0; k < tag_layout::kMaxGroups && id < 0; ++k) {
