@@ -70,12 +70,11 @@ Hub::Placement Hub::join(Store& store, int rank, int size, const Options& option
       ids = store.get(key(peer), options.timeout);
     } catch (const Error& e) {
       if (e.code() != Errc::kTimeout) throw;
-      throw Error(Errc::kTimeout, "commux init: rank " + std::to_string(peer) + " of " +
-                                      std::to_string(size) + " has not joined group " +
-                                      std::to_string(options.group) + " within " +
-                                      std::to_string(options.timeout.count()) +
-                                      " ms (this is rank " + std::to_string(rank) + "; " +
-                                      e.what() + ")");
+      throw Error(Errc::kTimeout,
+                  "commux init: rank " + std::to_string(peer) + " of " + std::to_string(size) +
+                      " has not joined group " + std::to_string(options.group) + " within " +
+                      std::to_string(options.timeout.count()) + " ms (this is rank " +
+                      std::to_string(rank) + "; " + e.what() + ")");
     }
     all |= decode_ids(ids, peer);
   }
