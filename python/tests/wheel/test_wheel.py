@@ -168,6 +168,13 @@ def test_plain_wheel_allreduce_and_tagged_p2p(plain_venv):
     run_allreduce_and_p2p(plain_venv)
 
 
+def test_plain_wheel_selftest_passes(plain_venv):
+    """What a user with only Python and torch does after `pip install <wheel>`."""
+    out = plain_venv.check(["-m", "commux.selftest", "--nprocs", "2"], timeout=240)
+    assert "commux selftest: PASSED" in out, out
+    assert re.search(r"torch\s+2\.\d+", out), out
+
+
 @pytest.mark.parametrize("order", ["torch,commux", "commux,torch", "libucx,commux", "commux,libucx"])
 def test_plain_wheel_one_ucx_per_process(plain_venv, order):
     r = one_ucx(plain_venv, order)
