@@ -29,7 +29,7 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_SPIN_US", "int", "100", kPerComm,
        "a waiter polls this long before it sleeps on the worker's event fd; the torch backend's "
        "short "
-       "collectives and its worker thread poll as long before sleeping"},
+       "collectives and its collective thread poll as long before sleeping"},
       {"COMMUX_TIMEOUT_MS", "int", "300000", kPerComm,
        "default deadline of every wait and of bootstrap lookups"},
       {"COMMUX_SHUTDOWN_TIMEOUT_MS", "int", "3000", kPerComm,
