@@ -187,7 +187,11 @@ Answer parse_answer(const std::vector<std::uint8_t>& raw) {
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    // Appended piece by piece: GCC 12's -Wrestrict misfires on `"," + std::to_string(..)` at -O3.
+    if (i > 0) s += ',';
+    s += std::to_string(ranks[i]);
+  }
   return s;
 }
 
