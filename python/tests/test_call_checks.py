@@ -32,6 +32,25 @@ def _sums(me):
     return out
 
 
+def _one(ctx, key):
+    """One case of _cases and the all_reduces after it (bench/experiments/call_checks_vs_gloo.py
+    runs each alone, on each backend)."""
+    me = ctx.rank
+    calls = {
+        "rejected": lambda: dist.all_gather_into_tensor(torch.zeros(2 if me == 0 else 3),
+                                                        torch.tensor([float(me + 1)])),
+        "kind": lambda: (dist.all_reduce(torch.ones(1000)) if me == 0
+                         else dist.broadcast(torch.ones(1000), src=0)),
+        "dtype_broadcast": lambda: dist.broadcast(
+            torch.ones(1000, dtype=torch.float32 if me == 0 else torch.int32), src=0),
+        "dtype_allreduce": lambda: dist.all_reduce(
+            torch.ones(200, dtype=torch.float32) if me == 0 else torch.ones(100, dtype=torch.float64)),
+    }
+    r = expect_raises(calls[key])
+    r["after"] = expect_raises(lambda: r.setdefault("sums", _sums(me)))
+    return r
+
+
 def _cases(ctx):
     me = ctx.rank
     res = {}
