@@ -101,11 +101,12 @@ class LoopbackWorld::Chan final : public detail::Channel {
     return detail::make_request(std::make_shared<OpState>(op));
   }
 
-  bool probe(TagKind kind, std::uint32_t value, std::uint32_t mask,
+  bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
              detail::Unexpected* out) override {
     std::lock_guard<std::mutex> g(w_->mu_);
     for (const auto& send : w_->queued_[static_cast<std::size_t>(rank_)]) {
       if (send->kind != kind || ((send->tag ^ value) & mask) != 0) continue;
+      if (sender >= 0 && send->rank != sender) continue;
       if (out != nullptr) *out = detail::Unexpected{send->rank, send->tag, send->capacity};
       return true;
     }

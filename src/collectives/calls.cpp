@@ -164,12 +164,16 @@ std::string take_notice(::commux::detail::Channel& chan, const ::commux::detail:
 
 void Exchange::check_calls(std::size_t id) {
   ::commux::detail::Unexpected u;
-  if (chan_->probe(TagKind::kNotice, ctx_.tag, ~std::uint32_t{0}, &u)) {
+  if (chan_->probe(TagKind::kNotice, kAnySource, ctx_.tag, ~std::uint32_t{0}, &u)) {
     noticed(u.sender, take_notice(*chan_, u, ctx_.tag));
   }
   const int peer = reqs_[id].valid() ? ::commux::detail::state_of(reqs_[id])->posted_peer() : -1;
   if (peer < 0 || peer == rank_) return;
-  if (chan_->probe(TagKind::kInternal, wire_, kSlotMask, &u) && u.tag != wire_) mismatch(u.sender);
+  // From that peer only: its messages of this slot all belong to one call of its, whereas the
+  // first of any sender's could be a message of this call that waits for a receive posted later.
+  if (chan_->probe(TagKind::kInternal, peer, wire_, kSlotMask, &u) && u.tag != wire_) {
+    mismatch(u.sender);
+  }
 }
 
 void Exchange::noticed(int peer, const std::string& notice) {
@@ -199,7 +203,7 @@ void Exchange::mismatch(int peer) {
   const auto until = Clock::now() + std::min(kPeerNoticeWait, remaining());
   ::commux::detail::Unexpected u;
   while (Clock::now() < until) {
-    if (chan_->probe(TagKind::kNotice, ctx_.tag, ~std::uint32_t{0}, &u) && u.sender == peer) {
+    if (chan_->probe(TagKind::kNotice, peer, ctx_.tag, ~std::uint32_t{0}, &u)) {
       noticed(peer, take_notice(*chan_, u, ctx_.tag));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

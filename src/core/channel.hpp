@@ -74,10 +74,11 @@ class Channel {
   // Validation errors (peer, buffers) throw Error(kInvalidArgument) before anything is posted.
   virtual Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
                        int peer, TagKind kind, std::uint32_t tag, bool fast_completion) = 0;
-  // Looks, without receiving it, for a message of traffic `kind` from any sender that arrived and
-  // matched no receive, whose tag's user field equals `value` on the bits of `mask` (the first
-  // such, in arrival order). For the cross-rank call checks of the collectives.
-  virtual bool probe(TagKind kind, std::uint32_t value, std::uint32_t mask, Unexpected* out) = 0;
+  // Looks, without receiving it, for a message of traffic `kind` from `sender` (kAnySource: any)
+  // that arrived and matched no receive, whose tag's user field equals `value` on the bits of
+  // `mask` (the first such, in arrival order). For the cross-rank call checks of the collectives.
+  virtual bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
+                     Unexpected* out) = 0;
   // Receives and drops every such message (those of a call that failed or was rejected, which
   // would otherwise wait in the transport for a receive that never comes); returns how many.
   virtual std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) = 0;

@@ -416,8 +416,13 @@ std::pair<std::uint64_t, std::uint64_t> Engine::probe_match(TagKind kind, std::u
   return {tag, tmask};
 }
 
-bool Engine::probe(TagKind kind, std::uint32_t value, std::uint32_t mask, Unexpected* out) {
-  const auto [tag, tmask] = probe_match(kind, value, mask);
+bool Engine::probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
+                   Unexpected* out) {
+  auto [tag, tmask] = probe_match(kind, value, mask);
+  if (sender >= 0 && sender < tag_layout::kMaxRanks) {
+    tag |= static_cast<std::uint64_t>(sender) << tag_layout::kRankShift;
+    tmask |= tag_layout::kRankMask;
+  }
   std::lock_guard<std::mutex> lock(worker_.mutex());
   if (worker_.handle() == nullptr || worker_.shut_down_locked()) return false;
   progress_locked();
