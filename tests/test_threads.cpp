@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -37,6 +38,7 @@ struct Outcome {
   Errc code = Errc::kTransport;
   std::string message;
   std::chrono::milliseconds after_shutdown{0};
+  std::size_t late_bytes = 0;  // bytes of a buffer written after its Request had completed
 };
 
 std::unique_ptr<Communicator> one_rank_world(const TempDir& dir) {
@@ -109,7 +111,9 @@ TEST(Threads, ShutdownWakesAThreadBlockedInWait) {
 // thread); on rank 0 one more thread is blocked on a receive that never matches. Then both
 // communicators are shut down at once, each by its own thread. Every thread ends with an error:
 // Errc::kCanceled (a wait on an operation that shutdown() finished, a post after it), or
-// Errc::kPeerFailed where the other rank went first; the blocked one with kCanceled.
+// Errc::kPeerFailed where the other rank went first; the blocked one with kCanceled. Once its
+// Requests have completed, no buffer may be written any more (a receive whose wait returned while
+// UCX was still filling it, fragments on their way, wrote into freed memory).
 // Repeated, so that shutdown() lands at different points of the others' loops.
 TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
   constexpr int kRounds = 4;
@@ -129,6 +133,7 @@ TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
     }
     std::atomic<int> started{0};
     std::atomic<long> messages{0};
+    std::atomic<bool> closed{false};
     std::vector<std::future<Outcome>> futures;
     std::vector<std::thread> threads;
     auto capture = [](Outcome& o, const Error& e) {
@@ -157,18 +162,34 @@ TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
           Communicator& c = *comms[rank];
           std::vector<unsigned char> out(kBytes, static_cast<unsigned char>(t)), in(kBytes);
           started.fetch_add(1);
-          try {
-            for (std::int64_t i = 0;; ++i) {
-              const std::int64_t tag = t * 100000 + i % 100000;
-              Request r = c.irecv(Buffer{in.data(), in.size()}, 1 - rank, tag);
-              Request s = c.isend(Buffer{out.data(), out.size()}, 1 - rank, tag);
-              s.wait();
-              r.wait();
-              messages.fetch_add(1);
+          for (std::int64_t i = 0; !o.error; ++i) {
+            const std::int64_t tag = t * 100000 + i % 100000;
+            Request r, s;
+            try {
+              r = c.irecv(Buffer{in.data(), in.size()}, 1 - rank, tag);
+              s = c.isend(Buffer{out.data(), out.size()}, 1 - rank, tag);
+            } catch (const Error& e) {
+              capture(o, e);
             }
-          } catch (const Error& e) {
-            capture(o, e);
+            // Both are waited for after a failure too: a buffer is the caller's again only
+            // once its Request has completed (communicator.hpp).
+            for (Request* q : {&s, &r}) {
+              if (!q->valid()) continue;
+              try {
+                q->wait();
+              } catch (const Error& e) {
+                if (!o.error) capture(o, e);
+              }
+            }
+            if (!o.error) messages.fetch_add(1);
           }
+          // Every Request of this thread has completed, so nothing may write into `in` now: a
+          // canary catches a receive that UCX was still filling when its wait returned.
+          std::fill(in.begin(), in.end(), static_cast<unsigned char>(0xEE));
+          while (!closed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          o.late_bytes = static_cast<std::size_t>(
+              std::count_if(in.begin(), in.end(), [](unsigned char b) { return b != 0xEE; }));
           return o;
         });
         futures.push_back(busy.get_future());
@@ -186,6 +207,7 @@ TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
     std::thread closer1([&] { comms[1]->shutdown(); });
     comms[0]->shutdown();
     closer1.join();
+    closed.store(true);
     const std::vector<Outcome> out = collect(futures, threads);
     EXPECT_GE(messages.load(), 20 * kBusy) << "too little traffic before shutdown()";
     for (std::size_t i = 0; i < out.size(); ++i) {
@@ -195,6 +217,8 @@ TEST(Threads, ShutdownWhileOtherThreadsPostAndWait) {
       } else {
         EXPECT_TRUE(out[i].code == Errc::kCanceled || out[i].code == Errc::kPeerFailed)
             << "thread " << i << ": " << out[i].message;
+        EXPECT_EQ(out[i].late_bytes, 0u)
+            << "thread " << i << ": its receive buffer was written after its wait returned";
       }
     }
   }

@@ -7,6 +7,8 @@
 #include <mutex>
 #include <set>
 
+#include <unistd.h>
+
 #include "lanes.hpp"
 #include "ucx_config.hpp"
 
@@ -129,6 +131,14 @@ void Engine::shutdown() {
       if (failed) discard_unexpected_locked(deadline);  // the dead peers' messages
       peers_.close_all_locked(deadline);  // flushes (or force-closes) what is still queued
       run_deferred_locked();
+      // What UCX still holds a part of (a receive that matched before its cancel, whose last
+      // fragments are on their way; a send still queued) writes into or reads from its owner's
+      // buffer until UCX completes it, and the worker outlives this Engine (the process's other
+      // communicators share it): it is progressed to its end, within the shutdown timeout, before
+      // its wait may return and its owner free the buffer. A gone peer's is not waited for.
+      while (std::chrono::steady_clock::now() < deadline && held_by_ucx_locked(/*live=*/true)) {
+        if (worker_.progress_locked() == 0) ::usleep(50);
+      }
       // Messages to this group that nothing received: a later communicator may get its id. After
       // a peer failure only the dead peers' are received (above): receiving a live peer's
       // rendezvous would restart its abandoned send, whose buffer its owner may have freed; the
@@ -145,7 +155,13 @@ void Engine::shutdown() {
       // memory stays valid to the end of the process (hub.hpp).
       const bool in_ucx = std::any_of(op->parts.begin(), op->parts.end(),
                                       [](const Part& p) { return p.ucx_req != nullptr; });
-      if (in_ucx && worker_.handle() != nullptr) placement_.hub->keep_forever_locked(op);
+      if (in_ucx && worker_.handle() != nullptr) {
+        placement_.hub->keep_forever_locked(op);
+        op->override_reason +=
+            "; UCX still held its buffer when the shutdown timeout ended and may yet " +
+            std::string(op->kind == Op::Kind::kRecv ? "write into" : "read from") +
+            " it: keep the buffer alive to the end of the process";
+      }
       if (op->status == UCS_OK) op->status = UCS_ERR_CANCELED;
       op->remaining = 0;
       finish_locked(*op);
@@ -164,6 +180,18 @@ void Engine::shutdown() {
   if (!failed) placement_.hub->release(placement_.group);
   // The wake fd stays open until the Hub goes, after this: waiting threads kick() it without the
   // lock (worker.hpp says why that is safe only then).
+}
+
+bool Engine::held_by_ucx_locked(bool live) const {
+  for (Op* op = worker_.inflight_locked(); op != nullptr; op = op->next) {
+    if (op->engine.get() != this) continue;
+    const int with = op->peer != kAnySource ? op->peer : op->source;
+    if (live && with >= 0 && with < size_ && peers_[with].status != UCS_OK) continue;
+    for (const Part& p : op->parts) {
+      if (p.ucx_req != nullptr) return true;
+    }
+  }
+  return false;
 }
 
 std::vector<std::shared_ptr<Op>> Engine::own_inflight_locked() const {

@@ -112,6 +112,9 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::pair<std::uint64_t, std::uint64_t> probe_match(TagKind kind, std::uint32_t value,
                                                       std::uint32_t mask) const;
   std::vector<std::shared_ptr<Op>> own_inflight_locked() const;  // this Engine's, in flight [mu]
+  // Whether UCX still holds a part of one of this Engine's Ops (with `live`: one whose peer is
+  // not gone). [mu]
+  bool held_by_ucx_locked(bool live) const;
 
   std::shared_ptr<Store> store_;
   const int rank_;
