@@ -8,7 +8,11 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <sched.h>
+#include <time.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -309,6 +313,103 @@ TEST(Threads, GroupIdsRunOutWithAClearError) {
   again->send({Buffer{&x, 4}}, 0, 1);
   r.wait(std::chrono::seconds(20));
   EXPECT_EQ(y, 3);
+}
+
+// Runs `body` with this thread's CPU affinity (inherited by the threads it starts) set to the
+// first `n` CPUs of the current mask, then restores the mask. False when the mask has fewer.
+template <typename Body>
+bool with_cpus(int n, Body body) {
+  cpu_set_t old;
+  CPU_ZERO(&old);
+  if (::sched_getaffinity(0, sizeof(old), &old) != 0 || CPU_COUNT(&old) < n) return false;
+  cpu_set_t few;
+  CPU_ZERO(&few);
+  for (int c = 0, taken = 0; c < CPU_SETSIZE && taken < n; ++c) {
+    if (CPU_ISSET(c, &old)) {
+      CPU_SET(c, &few);
+      ++taken;
+    }
+  }
+  EXPECT_EQ(::sched_setaffinity(0, sizeof(few), &few), 0);
+  body();
+  EXPECT_EQ(::sched_setaffinity(0, sizeof(old), &old), 0);
+  return true;
+}
+
+// Two ranks (threads of this process) and `yield`: each rank's resolved mode, after a checked
+// exchange in both directions.
+std::array<Options::Yield, 2> yield_modes(Options::Yield yield) {
+  TempDir dir;
+  auto store = dir.store();
+  std::unique_ptr<Communicator> comms[2];
+  Options o = default_test_options();
+  o.yield = yield;
+  std::thread r1([&] { comms[1] = std::make_unique<Communicator>(store, 1, 2, o); });
+  comms[0] = std::make_unique<Communicator>(store, 0, 2, o);
+  r1.join();
+  for (int i = 0; i < 200; ++i) {
+    std::int64_t a = -1, b = -1, x = 2 * i, y = 2 * i + 1;
+    Request ra = comms[0]->irecv(Buffer{&a, 8}, 1, i);
+    Request rb = comms[1]->irecv(Buffer{&b, 8}, 0, i);
+    comms[0]->send({Buffer{&x, 8}}, 1, i);
+    comms[1]->send({Buffer{&y, 8}}, 0, i);
+    ra.wait(std::chrono::seconds(20));
+    rb.wait(std::chrono::seconds(20));
+    EXPECT_EQ(a, y);
+    EXPECT_EQ(b, x);
+  }
+  return {comms[0]->options().yield, comms[1]->options().yield};
+}
+
+// COMMUX_YIELD=auto (Options::Yield::kAuto) turns yielding on at once when the group's ranks on
+// this host outnumber the CPUs of the affinity mask (2 ranks on 1 CPU), not otherwise (2 on 2,
+// which stays kAuto); on and off are taken as given. options().yield says which mode was taken.
+TEST(Threads, RanksOutnumberingCpusYield) {
+  using Y = Options::Yield;
+  ASSERT_TRUE(with_cpus(1, [] {
+    EXPECT_EQ(yield_modes(Y::kAuto), (std::array<Y, 2>{Y::kOn, Y::kOn}));
+    EXPECT_EQ(yield_modes(Y::kOff), (std::array<Y, 2>{Y::kOff, Y::kOff}));
+  }));
+  if (!with_cpus(2, [] {
+        EXPECT_EQ(yield_modes(Y::kAuto), (std::array<Y, 2>{Y::kAuto, Y::kAuto}));
+        EXPECT_EQ(yield_modes(Y::kOn), (std::array<Y, 2>{Y::kOn, Y::kOn}));
+      })) {
+    std::printf("only 1 CPU: the 2-on-2 half is skipped\n");
+  }
+}
+
+// A waiter blocked for a second, in yield mode, sleeps once its spin is over: it uses under 5% of
+// a core (its thread's CPU time), and so does the rest of the process (the progress thread).
+TEST(Threads, AWaiterBlockedInYieldModeUsesLittleCpu) {
+  TempDir dir;
+  Options o = default_test_options();
+  o.yield = Options::Yield::kOn;
+  Communicator c(dir.store(), 0, 1, o);
+  ASSERT_EQ(c.options().yield, Options::Yield::kOn);
+  std::int64_t x = 0;
+  Request r = c.irecv(Buffer{&x, 8}, 0, 1);  // never sent
+  const auto cpu_now = [](clockid_t id) {
+    timespec ts{};
+    ::clock_gettime(id, &ts);
+    return std::chrono::nanoseconds(std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec);
+  };
+  const auto thread0 = cpu_now(CLOCK_THREAD_CPUTIME_ID);
+  const auto process0 = cpu_now(CLOCK_PROCESS_CPUTIME_ID);
+  const auto wall0 = Clock::now();
+  try {
+    r.wait(std::chrono::milliseconds(1000));
+    ADD_FAILURE() << "a receive nobody sent completed";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kTimeout) << e.what();
+  }
+  const auto wall = Clock::now() - wall0;
+  const auto thread = cpu_now(CLOCK_THREAD_CPUTIME_ID) - thread0;
+  const auto process = cpu_now(CLOCK_PROCESS_CPUTIME_ID) - process0;
+  EXPECT_GE(wall, std::chrono::milliseconds(900));
+  EXPECT_LT(thread * 20, wall) << "the waiter used " << thread.count() / 1000 << " us of CPU in "
+                               << wall.count() / 1000 << " us";
+  EXPECT_LT((process - thread) * 20, wall)
+      << "the rest of the process used " << (process - thread).count() / 1000 << " us of CPU";
 }
 
 }  // namespace

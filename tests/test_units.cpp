@@ -402,11 +402,16 @@ TEST(Settings, ParsesValidValues) {
   }
   EXPECT_EQ(parse_env({{"COMMUX_WAKEUP", "1"}}).wakeup, Settings::Wakeup::kOn);
   EXPECT_EQ(parse_env({{"COMMUX_WAKEUP", "auto"}}).wakeup, Settings::Wakeup::kAuto);
+  EXPECT_EQ(parse_env({}).yield, Settings::Yield::kAuto);
+  EXPECT_EQ(parse_env({{"COMMUX_YIELD", "on"}}).yield, Settings::Yield::kOn);
+  EXPECT_EQ(parse_env({{"COMMUX_YIELD", "0"}}).yield, Settings::Yield::kOff);
 }
 
 TEST(Settings, InvalidValuesNameTheVariableAndTheValue) {
   EXPECT_EQ(parse_error({{"COMMUX_WAKEUP", "sometimes"}}),
             "commux settings: COMMUX_WAKEUP='sometimes' is not auto, on or off");
+  EXPECT_EQ(parse_error({{"COMMUX_YIELD", "often"}}),
+            "commux settings: COMMUX_YIELD='often' is not auto, on or off");
   EXPECT_NE(parse_error({{"COMMUX_SPIN_US", "-5"}})
                 .find("COMMUX_SPIN_US='-5' is not a non-negative integer"),
             std::string::npos);

@@ -66,6 +66,15 @@ struct Options {
   // thread polls with an exponential backoff (5 us .. 1 ms while work is in flight).
   enum class Wakeup : std::uint8_t { kAuto, kOn, kOff };
   Wakeup wakeup = Wakeup::kAuto;
+  // When the machine runs more threads than it has CPUs, a spinning waiter takes the CPU from the
+  // very rank it waits for. A waiter's poll that finds nothing to do yields the CPU
+  // (sched_yield): kAuto: once the wait has spun a few microseconds, and from the first poll when
+  // this communicator's ranks on this host outnumber the CPUs of this process's affinity mask
+  // (options().yield then reports kOn), as MPI's yield-when-idle does; kOn: from the first poll;
+  // kOff: never (spin, then sleep). One worker serves the process's communicators: the last one
+  // created with kOn (or found oversubscribed) or kOff sets the mode for all of them.
+  enum class Yield : std::uint8_t { kAuto, kOn, kOff };
+  Yield yield = Yield::kAuto;
   // Group id carried in every tag (0 .. 255): the first one tried. At creation the members agree,
   // through the store, on the first id at or after it that no member process has in use, so the
   // Communicators of a process can share one UCX worker; options().group reports the id taken.
@@ -76,7 +85,8 @@ struct Options {
 
   // Defaults overridden by the environment, read now (Settings::from_environment(), see
   // commux/settings.hpp): COMMUX_COALESCE (packing = kIov), COMMUX_GROUP (defer_in_window),
-  // COMMUX_SPIN_US, COMMUX_TIMEOUT_MS, COMMUX_SHUTDOWN_TIMEOUT_MS, COMMUX_WAKEUP=auto|on|off.
+  // COMMUX_SPIN_US, COMMUX_TIMEOUT_MS, COMMUX_SHUTDOWN_TIMEOUT_MS, COMMUX_WAKEUP=auto|on|off,
+  // COMMUX_YIELD=auto|on|off.
   // Throws Error(kInvalidArgument) naming a variable whose value does not parse.
   static Options from_env();
 };

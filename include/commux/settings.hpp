@@ -33,6 +33,7 @@ const std::vector<Setting>& settings_table();
 
 struct Settings {
   enum class Wakeup : std::uint8_t { kAuto, kOn, kOff };
+  enum class Yield : std::uint8_t { kAuto, kOn, kOff };
 
   // Per communicator (Options::from_env()).
   bool coalesce = false;                                       // COMMUX_COALESCE
@@ -41,6 +42,7 @@ struct Settings {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // COMMUX_TIMEOUT_MS
   std::chrono::milliseconds shutdown_timeout{3000};            // COMMUX_SHUTDOWN_TIMEOUT_MS
   Wakeup wakeup = Wakeup::kAuto;                               // COMMUX_WAKEUP
+  Yield yield = Yield::kAuto;                                  // COMMUX_YIELD
   bool ucx_defaults = true;                                    // COMMUX_UCX_DEFAULTS
   bool aten_reduce = false;                                    // COMMUX_ATEN_REDUCE
   // Once per process.

@@ -512,9 +512,9 @@ def main(argv=None) -> int:
     cores = _cores()
     if args.nprocs > cores:
         problems.append(f"{args.nprocs} ranks share {cores} core{'s' if cores > 1 else ''}: each "
-                        "rank has a progress thread and its waits spin before they sleep, so "
-                        "oversubscribed ranks take turns and latencies above are inflated; use at "
-                        "most one rank per core (or COMMUX_SPIN_US=0 to stop the spinning)")
+                        "rank has a progress thread, so oversubscribed ranks take turns and "
+                        "latencies above are inflated (commux's waits yield the CPU then: "
+                        "COMMUX_YIELD); use at most one rank per core for figures that count")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > cores:
         problems.append(f"the machine is busy (load average {load:.1f} on {cores} cores): "

@@ -37,6 +37,11 @@ Options Options::from_env() {
     case Settings::Wakeup::kOn: o.wakeup = Options::Wakeup::kOn; break;
     case Settings::Wakeup::kOff: o.wakeup = Options::Wakeup::kOff; break;
   }
+  switch (s.yield) {
+    case Settings::Yield::kAuto: o.yield = Options::Yield::kAuto; break;
+    case Settings::Yield::kOn: o.yield = Options::Yield::kOn; break;
+    case Settings::Yield::kOff: o.yield = Options::Yield::kOff; break;
+  }
   return o;
 }
 

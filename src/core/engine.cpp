@@ -7,9 +7,11 @@
 #include <mutex>
 #include <set>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include "lanes.hpp"
+#include "log.hpp"
 #include "ucx_config.hpp"
 
 namespace commux::detail {
@@ -38,6 +40,15 @@ LiveEngines& live_engines() {
     return l;
   }();
   return *live;
+}
+
+// The CPUs this process may run on (its affinity mask).
+int usable_cpus() noexcept {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  const int n = CPU_COUNT(&set);
+  return n > 0 ? n : 1;
 }
 
 }  // namespace
@@ -93,12 +104,31 @@ void Engine::start() {
     shutdown();  // closes what was connected, frees the group id
     throw;
   }
+  resolve_yield();
   log_engine_start(rank_, size_, options_.group, info_);
   worker_.attach(this);
   {
     LiveEngines& le = live_engines();
     std::lock_guard<std::mutex> lk(le.mu);
     le.engines.insert(this);
+  }
+}
+
+// Yield mode (Options::yield): kAuto becomes kOn when this group's ranks on this host (connect()
+// found which peers share it) outnumber the CPUs this process may run on; otherwise it leaves the
+// worker's mode as it is (yield after a short spin, unless another communicator said otherwise).
+void Engine::resolve_yield() {
+  int local = 1;
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && peers_[p].same_host) ++local;
+  }
+  const int cpus = usable_cpus();
+  if (options_.yield == Options::Yield::kAuto && local > cpus) options_.yield = Options::Yield::kOn;
+  if (options_.yield == Options::Yield::kOff) worker_.set_yield_mode(Worker::YieldMode::kNever);
+  if (options_.yield == Options::Yield::kOn) {
+    worker_.set_yield_mode(Worker::YieldMode::kAlways);
+    COMMUX_LOG(kInfo, rank_, "group ", options_.group, ": ", local, " of its ranks on this host, ",
+               cpus, " CPUs for this process: waiters yield the CPU (COMMUX_YIELD)");
   }
 }
 

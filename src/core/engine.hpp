@@ -115,6 +115,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   // Whether UCX still holds a part of one of this Engine's Ops (with `live`: one whose peer is
   // not gone). [mu]
   bool held_by_ucx_locked(bool live) const;
+  void resolve_yield();  // options_.yield: kAuto decided, the worker told (start(), after connect)
 
   std::shared_ptr<Store> store_;
   const int rank_;

@@ -37,6 +37,10 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_WAKEUP", "auto/on/off", "auto", kPerComm,
        "on: waiters sleep on the worker's event fd (UCX then drops shared memory); auto: only when "
        "UCX_TLS excludes shared memory anyway; off: never"},
+      {"COMMUX_YIELD", "auto/on/off", "auto", kPerComm,
+       "a spinning waiter's polls that find nothing to do yield the CPU (sched_yield): auto: after "
+       "a few microseconds, and at once when the group's ranks on this host outnumber the CPUs of "
+       "the process's affinity mask; on: at once; off: never"},
       {"COMMUX_UCX_DEFAULTS", "bool", "on", kPerComm, "off disables commux's UCX defaults below"},
       {"COMMUX_ATEN_REDUCE", "bool", "off", kPerComm,
        "the torch backend's CPU collectives run through the device path's code (scratch, copies "
@@ -115,6 +119,15 @@ long parse_int(const Setting& s, const std::string& v) {
   return x;
 }
 
+// auto / on (1) / off (0), for the enums { kAuto, kOn, kOff }.
+template <typename Mode>
+Mode parse_mode(const Setting& s, const std::string& v) {
+  if (v == "auto") return Mode::kAuto;
+  if (v == "on" || v == "1") return Mode::kOn;
+  if (v == "off" || v == "0") return Mode::kOff;
+  bad(s, v, "auto, on or off");
+}
+
 }  // namespace
 
 Settings Settings::parse(const std::function<const char*(const char*)>& lookup) {
@@ -148,10 +161,9 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       else if (name == "COMMUX_BENCH_ITERS") out.bench_iters = n;
       else if (name == "COMMUX_TEST_TIMEOUT_S") out.test_timeout_s = n;
     } else if (name == "COMMUX_WAKEUP") {
-      if (text == "auto") out.wakeup = Wakeup::kAuto;
-      else if (text == "on" || text == "1") out.wakeup = Wakeup::kOn;
-      else if (text == "off" || text == "0") out.wakeup = Wakeup::kOff;
-      else bad(s, text, "auto, on or off");
+      out.wakeup = parse_mode<Wakeup>(s, text);
+    } else if (name == "COMMUX_YIELD") {
+      out.yield = parse_mode<Yield>(s, text);
     } else if (name == "UCXPG_DEVICE") {
       if (text != "cpu" && text != "cuda") bad(s, text, "a device (cpu or cuda)");
       out.device_cuda = text == "cuda";

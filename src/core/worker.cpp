@@ -2,6 +2,7 @@
 #include "worker.hpp"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -16,6 +17,9 @@ namespace commux::detail {
 namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::microseconds kMaxSpin{20000};
+// A wait spins without yielding this long: a peer that is running answers a small message within
+// a few microseconds.
+constexpr std::chrono::microseconds kYieldAfter{5};
 }  // namespace
 
 Worker::~Worker() {
@@ -195,13 +199,25 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
           ? start
           : std::min(deadline,
                      start + std::clamp<std::chrono::microseconds>(expected, spin, kMaxSpin));
+  // A poll that finds nothing to do yields the CPU once the wait has outlived kYieldAfter (the
+  // peer may need this CPU to answer: the machine is busier than it has cores), and from the
+  // first poll in yield mode (this host's ranks outnumber its CPUs).
+  const YieldMode mode = yield_mode();
+  const auto yield_from = mode == YieldMode::kAlways ? start : start + kYieldAfter;
+  bool yield = mode == YieldMode::kAlways;
   spinners_.fetch_add(1);
   for (unsigned iter = 1; !op.done.load() && !op.abandoned.load(); ++iter) {
+    unsigned n = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      progress_locked();
+      n = progress_locked();
     }
-    if ((iter & 15) == 0 && Clock::now() >= spin_until) break;
+    if (yield && n == 0) ::sched_yield();
+    if ((iter & 15) == 0) {
+      const auto now = Clock::now();
+      if (now >= spin_until) break;
+      yield = mode != YieldMode::kNever && now >= yield_from;
+    }
   }
   const int left = spinners_.fetch_sub(1) - 1;
   if (op.done.load()) {

@@ -107,6 +107,12 @@ class Worker {
   }
   // Wakes the progress thread (no lock needed).
   void kick() noexcept;
+  // How a spinning waiter's poll that finds nothing to do treats the CPU (Options::yield):
+  // kAfterSpin (the default) yields it once the wait has lasted a few microseconds, kAlways from
+  // the first poll, kNever keeps it. One worker serves the process: the last set wins.
+  enum class YieldMode : std::uint8_t { kAfterSpin, kAlways, kNever };
+  void set_yield_mode(YieldMode m) noexcept { yield_.store(m, std::memory_order_relaxed); }
+  YieldMode yield_mode() const noexcept { return yield_.load(std::memory_order_relaxed); }
 
  private:
   void progress_thread_main();
@@ -128,6 +134,7 @@ class Worker {
   std::atomic<int> inflight_count_{0};
   std::atomic<int> spinners_{0};  // threads spinning in wait(): the progress thread stays off
   std::atomic<int> sleepers_{0};  // threads sleeping in wait(): completions notify done_cv_
+  std::atomic<YieldMode> yield_{YieldMode::kAfterSpin};
   std::mutex done_mu_;
   std::condition_variable done_cv_;
   std::thread progress_thread_;
