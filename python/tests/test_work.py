@@ -222,6 +222,88 @@ def test_many_async_collectives_in_flight(ranks, ws):
 
 
 # ---------------------------------------------------------------------------------------------
+def _async_with_p2p(ctx):
+    """An async collective and blocking point-to-point in either order, on every rank: in round i
+    rank r issues its all_reduce (async_op=True) before its send/recv when (r + i) is even, after
+    them otherwise, so some ranks sit in a blocking recv or send while their peer's collective is
+    issued but not complete. A backend that ran the collective on the caller's thread until the
+    others joined would deadlock here (the test's timeout)."""
+    W, me = ctx.world, ctx.rank
+    peer = me ^ 1
+    n = 2049
+    for i in range(8):
+        x = torch.full((n,), float(me + i))
+        sent = make(me, 300 + i, "float32", salt=f"ap{i}")
+        got = torch.zeros(300 + i)
+
+        def p2p():
+            if peer >= W:
+                return
+            if me < peer:
+                dist.send(sent, dst=peer, tag=i)
+                dist.recv(got, src=peer, tag=i)
+            else:
+                dist.recv(got, src=peer, tag=i)
+                dist.send(sent, dst=peer, tag=i)
+
+        if (me + i) % 2 == 0:
+            work = dist.all_reduce(x, async_op=True)
+            p2p()
+        else:
+            p2p()
+            work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        check_equal(f"round {i}: all_reduce", x, torch.full((n,), float(sum(r + i for r in range(W)))))
+        if peer < W:
+            check_equal(f"round {i}: recv from {peer}", got, make(peer, 300 + i, "float32", salt=f"ap{i}"))
+    return 8
+
+
+@worlds(2, 3, 4)
+def test_async_collective_with_p2p_in_both_orders(ranks, ws):
+    ranks.run(_async_with_p2p, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+def _shutdown_in_flight(ctx):
+    """A group shut down while collectives are in flight on it: rank 0 issues five async
+    collectives on a new group that no other rank joins, then destroys the group. Every Work fails
+    within seconds with an error saying the group was shut down (never a hang, never a success),
+    and the default group goes on giving right results."""
+    W, me = ctx.world, ctx.rank
+    g = dist.new_group(list(range(W)))
+    dist.barrier(group=ctx.ref)
+    works = []
+    if me == 0:
+        for i in range(4):
+            works.append((f"all_reduce #{i}", dist.all_reduce(torch.ones(1000 + i), async_op=True, group=g)))
+        works.append(("broadcast", dist.broadcast(torch.ones(77), src=0, async_op=True, group=g)))
+        time.sleep(0.2)  # the first one is running, the rest queued
+    t0 = time.monotonic()
+    dist.destroy_process_group(g)
+    for what, w in works:
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 -- any error type, as long as it says why
+            assert "shut down" in str(e), f"{what}: {e}"
+        else:
+            mp.soft_fail(f"{what} succeeded on a group that was shut down with no peer in it")
+    took = time.monotonic() - t0
+    assert took < 15, f"shutting down with collectives in flight took {took:.1f} s"
+    dist.barrier(group=ctx.ref)
+    x = torch.full((5,), float(me))
+    dist.all_reduce(x)
+    check_equal("all_reduce on the default group afterwards", x, torch.full((5,), float(W * (W - 1) // 2)))
+    return len(works)
+
+
+@pytest.mark.ucx_semantics  # the error text
+@worlds(2, 3)
+def test_shutdown_with_collectives_in_flight(ranks, ws):
+    ranks.run(_shutdown_in_flight, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
 def _background(ctx):
     """Operations progress while the caller computes: a 16 MiB isend/irecv (rendezvous, several
     round trips inside UCX) and a 16 MiB async all_reduce are posted, then every rank sleeps without
