@@ -26,6 +26,8 @@ C++ backends, as "ucx" is, so neither adds a Python call of its own (a Python Pr
 and would make torch's share look larger than it is); but from torch 2.13 on "fake" copies input
 to output in allgather, reduce_scatter and alltoall, a cost that grows with the size and that
 would be subtracted from commux's. "noop" does nothing at every size and on every torch.
+bench/experiments/noop_reference.py, one process, torch 2.13, µs per call: allreduce 8 B noop
+4.0, fake 3.9, Python 4.7; allgather 8 B 2.9, 4.8, 4.0; allgather 64 MiB 3.0, 10552, 4.5.
 
 Every implementation sizes, times and checks alike (bench/native/coll_common.h): warm-up, a fit to a
 time budget, `reps` repetitions of back-to-back iterations after a barrier (a repetition's time
