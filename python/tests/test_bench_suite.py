@@ -114,6 +114,10 @@ def test_coll_reference_never_hides_a_wrong_result():
     assert {b: v["status"] for b, v in f["spread"].items()} == {
         "ucx": "met", "noop": "missed", "commux-cpp": "met"}
     assert "| 6.00 | **missed** | 1.11 / **2.00** / 1.00 | ucx 3 |" in line, line
+    assert coll.target_summary([f]) == [
+        "ucx-noop <= 1.2 x cpp + 1 µs: met at 0 of 1 (op, size, ranks); missed: allreduce 1 of 1",
+        "spread between rounds <= 1.5x: met at 2 of 3 (op, size, backend); missed: noop 1 of 1 "
+        "(worst 2.00x, allreduce 8 B)"]
     rows[0].update(wrong=0, time_us=9.0)  # 9 - 4 = 5 <= 5.8
     assert coll.wrong_total(rows) == 0
     line = next(x for x in coll.table(rows, backends, ["allreduce"], [2]).splitlines()
