@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # scripts/bench.sh [--quick] [--no-build] [coll_bench options...]: the collectives benchmark suite
 # (bench/coll_bench.py: p2p, allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall and
-# barrier, 8 B .. 64 MiB, 2 and 4 ranks; commux through torch.distributed beside Gloo, Open MPI and
-# commux's C++ API, every result checked) and the V-tensor ping-pong (bench/vtensor_pingpong.py:
-# plain, COMMUX_COALESCE=1, COMMUX_GROUP=1). Installs what is missing, builds and installs commux
+# barrier, 8 B .. 64 MiB, 2 and 4 ranks; commux through torch.distributed beside Gloo, Open MPI,
+# commux's C++ API and the reference "noop" (torch's own cost per call), every result but noop's
+# checked) and the V-tensor ping-pong (bench/vtensor_pingpong.py: plain, COMMUX_COALESCE=1,
+# COMMUX_GROUP=1). Installs what is missing, builds and installs commux
 # into .venv (scripts/install.sh) and the C++ benchmark binaries into build/ (scripts/build.sh),
 # unless --no-build. Results: results/coll/ (results.json, table.md, coll_w<N>.png) and
 # results/vtensor/ (results.json, table.md). --quick: the smoke run (under a minute); the full run

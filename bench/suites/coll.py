@@ -10,10 +10,24 @@ the per-rank buffer in nccl-tests' convention (allgather: the output, reduce_sca
 8 B .. 64 MiB in x8 steps. Backends, each in its own processes:
 
   ucx         commux through torch.distributed (backend "ucx"; `import commux` registers it)
-  gloo        Gloo through torch.distributed, in the same launch as "ucx": the two are
-              interleaved per size (the order alternates with size and round)
+  noop        the reference: a torch.distributed backend that communicates nothing and returns
+              completed Works (commux._C._NoopBackend, src/c10d/noop_backend.hpp), registered as
+              "ucx" is, through Backend.register_backend with a creator. Its time is torch's own
+              cost per call, so ucx-noop is commux's share. Its outputs are not checked (it
+              computes nothing): it never counts as wrong and never enters #wrong.
+  gloo        Gloo through torch.distributed. ucx, noop and gloo run in one launch (noop as a
+              dist.new_group beside the others), interleaved per size (the order alternates with
+              size and round)
   mpi         Open MPI's own collectives: build/bench/mpi_coll under mpirun
   commux-cpp  commux's C++ collectives (commux/collectives.hpp): build/bench/commux_coll_bench
+
+Why a backend of our own and not torch's "fake" (FakeProcessGroup, in torch 2.11-2.13): both are
+C++ backends, as "ucx" is, so neither adds a Python call of its own (a Python ProcessGroup would,
+and would make torch's share look larger than it is); but from torch 2.13 on "fake" copies input
+to output in allgather, reduce_scatter and alltoall, a cost that grows with the size and that
+would be subtracted from commux's. "noop" does nothing at every size and on every torch.
+bench/experiments/noop_reference.py, one process, torch 2.13, µs per call: allreduce 8 B noop
+4.0, fake 3.9, Python 4.7; allgather 8 B 2.9, 4.8, 4.0; allgather 64 MiB 3.0, 10552, 4.5.
 
 Every implementation sizes, times and checks alike (bench/native/coll_common.h): warm-up, a fit to a
 time budget, `reps` repetitions of back-to-back iterations after a barrier (a repetition's time
@@ -26,8 +40,10 @@ busbw = algbw x nccl-tests' factor (allreduce 2(n-1)/n; allgather, reduce_scatte
 The VM's two vCPUs flip between fast and slow placements, so each world size runs --rounds rounds
 (default 2; 1 with --quick) with the launchers' order rotating, the placement indicator
 (build/bench/commux_bench --mode placement) recorded before and after each round, and the table
-gives ratios within the run (ucx/gloo, ucx/mpi, cpp/mpi). World sizes above the CPU count are
-oversubscribed and labelled so. UCX_NET_DEVICES=lo unless set.
+gives ratios within the run (ucx/gloo, ucx/mpi, cpp/mpi). Targets of the run, reported (met /
+missed) and never a failure: ucx-noop <= 1.2 x cpp + 1 us at each (op, size), and each backend's
+spread between rounds (max / min of its per-round times) <= 1.5x. World sizes above the CPU
+count are oversubscribed and labelled so. UCX_NET_DEVICES=lo unless set.
 
 Writes results.json, table.md and plots (coll_w<N>.png) to --out (default results/coll/) and
 prints the table. Exit status 1 when any element was wrong or a backend failed to run; backends
@@ -54,10 +70,15 @@ OPS = ["p2p", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter",
        "barrier"]  # the order of coll_op in coll_common.h (the salt depends on it)
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [8, 64 << 10, 1 << 20]
-BACKENDS = ["ucx", "gloo", "mpi", "commux-cpp"]
-TORCH_BACKENDS = ("ucx", "gloo")
-SHORT = {"ucx": "ucx", "gloo": "gloo", "mpi": "mpi", "commux-cpp": "cpp"}
+BACKENDS = ["ucx", "noop", "gloo", "mpi", "commux-cpp"]
+TORCH_BACKENDS = ("ucx", "noop", "gloo")
+REFERENCES = ("noop",)  # timed, never checked: not in #wrong
+SHORT = {"ucx": "ucx", "noop": "noop", "gloo": "gloo", "mpi": "mpi", "commux-cpp": "cpp"}
 RATIOS = [("ucx", "gloo"), ("ucx", "mpi"), ("commux-cpp", "mpi")]
+# The targets (issue 14): commux's share of a torch-level call against its C++ API, and the
+# spread between rounds; reported, never a failure.
+SHARE_FACTOR, SHARE_SLACK_US = 1.2, 1.0
+SPREAD_LIMIT = 1.5
 # Plans (see coll_common.h): the same numbers go to every implementation.
 FULL_PLAN = {"reps": 5, "min_reps": 3, "rep_bytes": 32 << 20, "min_iters": 1, "max_iters": 200,
              "budget_ms": 200}
@@ -194,8 +215,10 @@ def make_runner(op, group, rank, n, count, chunk, inp, out):
     return lambda: dist.barrier(group=group)
 
 
-def measure(job, op, size_index, size, backend, group, rank, n, bufs):
-    """coll_run_size for one torch backend; times are this rank's (the parent takes the max)."""
+def measure(job, op, size_index, size, backend, group, sync, rank, n, bufs):
+    """coll_run_size for one torch backend; times are this rank's (the parent takes the max).
+    `sync` carries the barriers and the plan's broadcast: `group` itself, except for a reference
+    (noop), whose own barrier and broadcast do nothing. A reference's result is not checked."""
     torch, dist = _torch()
     plan = job["plan"]
     count, chunk = shape(op, size, n)
@@ -207,28 +230,45 @@ def measure(job, op, size_index, size, backend, group, rank, n, bufs):
     reps = plan["reps"]
     prepare_check(op, rank, count, chunk, inp, out, salt)
     clock = time.perf_counter
-    dist.barrier(group=group)
+    dist.barrier(group=sync)
     warm = []
     for _ in range(warmup):
         t0 = clock()
         run()
         warm.append((clock() - t0) * 1e6)
     shared = torch.tensor(fit_budget(plan, statistics.median(warm), iters, reps), dtype=torch.int64)
-    dist.broadcast(shared, src=0, group=group)
+    dist.broadcast(shared, src=0, group=sync)
     iters, reps = int(shared[0]), int(shared[1])
     times = []
     for _ in range(reps):
-        dist.barrier(group=group)
+        dist.barrier(group=sync)
         t0 = clock()
         for _ in range(iters):
             run()
         times.append((clock() - t0) * 1e6 / iters)
-    dist.barrier(group=group)
-    prepare_check(op, rank, count, chunk, inp, out, salt)
-    run()
-    wrong = check(op, rank, n, count, chunk, inp, out, salt)
+    dist.barrier(group=sync)
+    wrong = None  # a reference computes nothing: not checked
+    if backend not in REFERENCES:
+        prepare_check(op, rank, count, chunk, inp, out, salt)
+        run()
+        wrong = check(op, rank, n, count, chunk, inp, out, salt)
     return {"op": op, "backend": backend, "bytes": count * 4, "count": count, "iters": iters,
             "warmup": warmup, "reps": reps, "times_us": times, "wrong": wrong}
+
+
+def register_noop():
+    """Registers the reference backend "noop" as commux registers "ucx": a creator that makes the
+    C++ backend (commux._C._NoopBackend). Idempotent."""
+    _, dist = _torch()
+    from commux import _C
+    if "NOOP" in getattr(dist.Backend, "_plugins", {}):
+        return
+
+    def create_noop_backend(dist_opts, backend_opts=None):  # extended_api=True signature
+        return _C._NoopBackend(dist_opts.group_rank, dist_opts.group_size)
+
+    dist.Backend.register_backend("noop", create_noop_backend, extended_api=True,
+                                  devices=["cpu"])
 
 
 def run_rank(job):
@@ -236,14 +276,19 @@ def run_rank(job):
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     backends = job["backends"]
-    if "ucx" in backends:
+    if "ucx" in backends or "noop" in backends:
         import commux
         commux.register()
+    if "noop" in backends:
+        register_noop()
     timeout = datetime.timedelta(seconds=job["op_timeout_s"])
-    dist.init_process_group(backend=backends[0], init_method="env://", timeout=timeout)
-    groups = {backends[0]: dist.group.WORLD}
-    for b in backends[1:]:
-        groups[b] = dist.new_group(backend=b, timeout=timeout)
+    # WORLD is a backend that communicates: it carries a reference's barriers and plan.
+    world_backend = next(b for b in backends if b not in REFERENCES)
+    dist.init_process_group(backend=world_backend, init_method="env://", timeout=timeout)
+    groups = {world_backend: dist.group.WORLD}
+    for b in backends:
+        if b != world_backend:
+            groups[b] = dist.new_group(backend=b, timeout=timeout)
     max_count = max([1] + [shape(op, s, n)[0] for op in job["ops"] for s in job["sizes"]])
     bufs = (torch.empty(max_count, dtype=torch.float32),
             torch.empty(max_count, dtype=torch.float32))
@@ -256,7 +301,8 @@ def run_rank(job):
             order = backends if (job["salt"] + k) % 2 == 0 else backends[::-1]
             k += 1
             for b in order:
-                rows.append(measure(job, op, si, size, b, groups[b], rank, n, bufs))
+                sync = dist.group.WORLD if b in REFERENCES else groups[b]
+                rows.append(measure(job, op, si, size, b, groups[b], sync, rank, n, bufs))
     # The last collective: no rank tears down while another still talks to it.
     dist.barrier(group=groups["gloo"] if "gloo" in groups else None)
     dist.destroy_process_group()
@@ -295,7 +341,8 @@ def merge_ranks(results, world):
     for per_rank in zip(*ranks):
         row = dict(per_rank[0])
         row["times_us"] = [max(t) for t in zip(*(r["times_us"] for r in per_rank))]
-        row["wrong"] = sum(r["wrong"] for r in per_rank)
+        row["wrong"] = (None if row["backend"] in REFERENCES
+                        else sum(r["wrong"] for r in per_rank))
         row["world"] = world
         merged.append(row)
     return merged
@@ -396,7 +443,7 @@ def summarize(rounds):
                                      "reps": []})
             a["medians"].append(statistics.median(r["times_us"]))
             a["mins"].append(min(r["times_us"]))
-            a["wrong"] += r["wrong"]
+            a["wrong"] = None if r["wrong"] is None else a["wrong"] + r["wrong"]
             a["iters"].append(r["iters"])
             a["reps"].append(r["reps"])
     rows = []
@@ -405,13 +452,77 @@ def summarize(rounds):
                                          BACKENDS.index(kv[0][3]))):
         t = statistics.median(a["medians"])
         algbw = nbytes / (t * 1e3) if t > 0 else 0.0  # GB/s
+        spread = (max(a["medians"]) / min(a["medians"])
+                  if len(a["medians"]) > 1 and min(a["medians"]) > 0 else None)
         rows.append({"op": op, "world": world, "bytes": nbytes, "backend": backend,
+                     "reference": backend in REFERENCES,
                      "time_us": t, "time_us_min": min(a["mins"]),
-                     "time_us_rounds": a["medians"], "algbw_gbps": algbw,
+                     "time_us_rounds": a["medians"], "spread": spread, "algbw_gbps": algbw,
                      "busbw_gbps": algbw * busbw_factor(op, world), "wrong": a["wrong"],
                      "iters": a["iters"], "reps": a["reps"],
                      "oversubscribed": world > (os.cpu_count() or 1)})
     return rows
+
+
+def wrong_total(rows):
+    """Wrong elements over rows; a reference's rows (wrong None: not checked) count nothing."""
+    return sum(r["wrong"] for r in rows if r["wrong"] is not None)
+
+
+def targets(rows):
+    """Per (op, world, bytes): ucx-noop, its limit 1.2 x cpp + 1 us and verdict, and each
+    backend's spread between rounds with its verdict (checks.target records)."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["op"], r["world"], r["bytes"]), {})[r["backend"]] = r
+    out = []
+    for (op, world, nbytes), cell in by.items():
+        t = {b: c["time_us"] for b, c in cell.items()}
+        share = t["ucx"] - t["noop"] if "ucx" in t and "noop" in t else None
+        limit = (SHARE_FACTOR * t["commux-cpp"] + SHARE_SLACK_US if "commux-cpp" in t
+                 else None)
+        out.append({
+            "op": op, "world": world, "bytes": nbytes, "ucx_minus_noop_us": share,
+            "share": checks.target("ucx-noop <= 1.2 x cpp + 1 us", share, limit,
+                                   lambda have, lim: have <= lim,
+                                   "ucx-noop {have:.2f} us against {limit:.2f} us"),
+            "spread": {b: checks.target("spread between rounds <= 1.5x", c["spread"],
+                                        SPREAD_LIMIT, lambda have, lim: have <= lim,
+                                        "{have:.2f}x against {limit}x")
+                       for b, c in cell.items()}})
+    return out
+
+
+def target_summary(found):
+    """The run's verdicts, one line per target: how many met, and the misses counted by op (the
+    share) or by backend with the worst (the spread); the table and results.json have each."""
+    lines = []
+    share = [f for f in found if f["share"]["status"] != "not measured"]
+    if share:
+        missed = {}
+        for f in share:
+            n = missed.setdefault(f["op"], [0, 0])
+            n[1] += 1
+            n[0] += f["share"]["status"] == "missed"
+        by_op = ", ".join(f"{op} {m} of {n}" for op, (m, n) in missed.items() if m)
+        met = sum(f["share"]["status"] == "met" for f in share)
+        lines.append(f"ucx-noop <= {SHARE_FACTOR} x cpp + {SHARE_SLACK_US:g} µs: met at {met} of "
+                     f"{len(share)} (op, size, ranks)" + (f"; missed: {by_op}" if by_op else ""))
+    spread = [(f, b, v) for f in found for b, v in f["spread"].items()
+              if v["status"] != "not measured"]
+    if spread:
+        parts = []
+        for b in BACKENDS:
+            mine = [(v["value"], f) for f, c, v in spread if c == b]
+            bad = [(x, f) for x, f in mine if x > SPREAD_LIMIT]
+            if bad:
+                x, f = max(bad, key=lambda t: t[0])
+                parts.append(f"{SHORT[b]} {len(bad)} of {len(mine)} (worst {x:.2f}x, {f['op']} "
+                             f"{size_name(f['bytes']) if f['bytes'] else '0'})")
+        met = sum(v["status"] == "met" for _, _, v in spread)
+        lines.append(f"spread between rounds <= {SPREAD_LIMIT}x: met at {met} of {len(spread)} "
+                     "(op, size, backend)" + (f"; missed: {', '.join(parts)}" if parts else ""))
+    return lines
 
 
 def fmt_us(v):
@@ -432,7 +543,11 @@ def world_label(world):
 def table(rows, backends, ops, worlds):
     out = []
     by = {(r["op"], r["world"], r["bytes"], r["backend"]): r for r in rows}
+    found = {(f["op"], f["world"], f["bytes"]): f for f in targets(rows)}
     ratios = [(a, b) for a, b in RATIOS if a in backends and b in backends]
+    timed = [b for b in backends if b not in REFERENCES]  # busbw and #wrong: the real ones
+    share = "ucx" in backends and "noop" in backends
+    limit = "commux-cpp" in backends and share
     for op in ops:
         for world in worlds:
             sizes = sorted({r["bytes"] for r in rows if r["op"] == op and r["world"] == world})
@@ -443,22 +558,41 @@ def table(rows, backends, ops, worlds):
                 f" — busbw = algbw × {f:.2f}" if op != "barrier" else ""), ""]
             head = ["bytes"] + [f"{SHORT[b]} µs" for b in backends]
             if op != "barrier":
-                head += [f"{SHORT[b]} busbw GB/s" for b in backends]
-            head += [f"{SHORT[a]}/{SHORT[b]}" for a, b in ratios] + ["#wrong"]
+                head += [f"{SHORT[b]} busbw GB/s" for b in timed]
+            head += [f"{SHORT[a]}/{SHORT[b]}" for a, b in ratios]
+            head += ["ucx−noop µs"] if share else []
+            head += [f"ucx−noop ≤ {SHARE_FACTOR}×cpp+{SHARE_SLACK_US:g}µs"] if limit else []
+            head += ["spread " + "/".join(SHORT[b] for b in backends), "#wrong"]
             out += report.header(head)
             for s in sizes:
                 cell = {b: by.get((op, world, s, b)) for b in backends}
                 t = {b: (c["time_us"] if c else None) for b, c in cell.items()}
+                got = found[(op, world, s)]
                 cells = [size_name(s) if s else "0"] + [fmt_us(t[b]) for b in backends]
                 if op != "barrier":
                     cells += [fmt_bw(cell[b]["busbw_gbps"] if cell[b] else None)
-                              for b in backends]
+                              for b in timed]
                 cells += [report.fmt(report.ratio(t[a], t[b]), 2) for a, b in ratios]
-                cells.append(checks.wrong_cell({SHORT[b]: c["wrong"] for b, c in cell.items() if c},
-                                               only_wrong=True))
+                cells += [fmt_us(got["ucx_minus_noop_us"])] if share else []
+                cells += [verdict(got["share"])] if limit else []
+                cells.append(" / ".join(fmt_spread(got["spread"].get(b)) for b in backends))
+                cells.append(checks.wrong_cell({SHORT[b]: c["wrong"] for b, c in cell.items()
+                                                if c and b not in REFERENCES}, only_wrong=True))
                 out.append(report.row(cells))
             out.append("")
     return "\n".join(out)
+
+
+def verdict(record):
+    return {"met": "met", "missed": "**missed**"}.get(record["status"], "-")
+
+
+def fmt_spread(record):
+    """A backend's spread between rounds, in bold past the limit; "-" with one round."""
+    if record is None or record["status"] == "not measured":
+        return "-"
+    v = f"{record['value']:.2f}"
+    return v if record["status"] == "met" else f"**{v}**"
 
 
 def plots(rows, backends, ops, worlds, out_dir):
@@ -470,8 +604,8 @@ def plots(rows, backends, ops, worlds, out_dir):
     except ImportError:
         return [], "matplotlib is not installed: no plots"
     paths = []
-    styles = {"ucx": ("tab:blue", "o"), "gloo": ("tab:orange", "s"), "mpi": ("tab:green", "^"),
-              "commux-cpp": ("tab:purple", "D")}
+    styles = {"ucx": ("tab:blue", "o"), "noop": ("tab:gray", "x"), "gloo": ("tab:orange", "s"),
+              "mpi": ("tab:green", "^"), "commux-cpp": ("tab:purple", "D")}
     for world in worlds:
         wrows = [r for r in rows if r["world"] == world]
         wops = [op for op in ops if any(r["op"] == op for r in wrows)]
@@ -560,8 +694,10 @@ def markdown(session, env, rows, rounds, notes, plot_paths, elapsed):
         f"{'quick mode; ' if a.quick else ''}{a.rounds} round(s) per world size, "
         f"{elapsed:.0f} s in all",
         f"- placement (CPU 0<->1 handoff before -> after each round): {placement_line(rounds)}",
-        "- ucx, gloo: torch.distributed (one launch, interleaved per size); mpi: Open MPI's "
-        "collectives (mpi_coll); cpp: commux's C++ collectives (commux_coll_bench)",
+        "- ucx, noop, gloo: torch.distributed (one launch, interleaved per size); noop: the "
+        "reference, a C++ backend that communicates nothing (torch's own cost per call; not "
+        "checked, not in #wrong); mpi: Open MPI's collectives (mpi_coll); cpp: commux's C++ "
+        "collectives (commux_coll_bench)",
         "- time: median over repetitions (each the slowest rank's mean over back-to-back "
         "iterations), median over rounds; bytes: per-rank buffer (allgather output, "
         "reduce_scatter input); float32 SUM, root 0; p2p: ring isend/irecv",
@@ -570,13 +706,20 @@ def markdown(session, env, rows, rounds, notes, plot_paths, elapsed):
         f"{p['budget_ms']} ms per (op, size, backend)",
         "- ratios: time / time (below 1: the first is faster); #wrong: wrong elements in the "
         "checked operation, all ranks and rounds",
+        f"- targets (reported, never a failure): ucx−noop (commux's share of a torch-level "
+        f"call) ≤ {SHARE_FACTOR} × cpp + {SHARE_SLACK_US:g} µs; spread (each backend's max / "
+        f"min over rounds of its per-round time) ≤ {SPREAD_LIMIT}x, in bold past it, - with "
+        "one round",
     ]
     out += [f"- note: {n}" for n in notes]
     if plot_paths:
         out.append("- plots: " + ", ".join(Path(x).name for x in plot_paths))
     out += ["", table(rows, backends, a.ops, a.worlds)]
-    n_wrong = sum(r["wrong"] for r in rows)
-    out.append(f"Correctness: {n_wrong} wrong elements.")
+    out += [f"Target: {line}." for line in target_summary(targets(rows))]
+    checked = [SHORT[b] for b in backends if b not in REFERENCES]
+    out.append(f"Correctness: {wrong_total(rows)} wrong elements ({', '.join(checked)} checked"
+               + ("; noop, the reference, computes nothing and is not checked)."
+                  if "noop" in backends else ")."))
     out += [f"Failure: {e.splitlines()[-1] if e.splitlines() else e}" for e in session.errors]
     return "\n".join(out) + "\n"
 
@@ -641,8 +784,10 @@ def available(build):
     try:
         import commux  # noqa: F401
         why["ucx"] = None  # commux imports torch itself
+        why["noop"] = (None if hasattr(commux._C, "_NoopBackend") else
+                       f"{commux.__file__}: commux._C has no _NoopBackend (an older build)")
     except ImportError as e:
-        why["ucx"] = f"import commux failed ({e})"
+        why["ucx"] = why["noop"] = f"import commux failed ({e})"
     mpi = Path(build) / "bench" / "mpi_coll"
     why["mpi"] = ("mpirun is not installed" if shutil.which("mpirun") is None else
                   None if mpi.exists() else f"{mpi} is not built (MPI not found by CMake?)")
@@ -666,6 +811,9 @@ def main(argv):
         notes += [f"{b} left out: {why[b]}" for b in BACKENDS if why[b]]
         if not backends:
             parser.error("no backend is available")
+    if "noop" in backends and not any(b in backends for b in ("ucx", "gloo")):
+        parser.error("--backends: noop is a reference that communicates nothing: run it beside "
+                     "ucx or gloo")
     for n in notes:
         print(f"coll_bench: note: {n}", file=sys.stderr)
     over = [w for w in args.worlds if w > (os.cpu_count() or 1)]
@@ -688,12 +836,13 @@ def main(argv):
     data = {"environment": env, "backends": backends, "ops": args.ops, "worlds": args.worlds,
             "sizes": args.sizes, "quick": args.quick, "plan": session.plan,
             "rounds": [{k: v for k, v in r.items() if k != "rows"} for r in rounds],
-            "rows": rows, "raw": [row for r in rounds for row in r["rows"]],
+            "rows": rows, "targets": targets(rows),
+            "raw": [row for r in rounds for row in r["rows"]],
             "notes": notes, "errors": session.errors, "plots": plot_paths,
             "elapsed_s": elapsed}
     report.write(out, data, md, "\n".join(session.log) + "\n")
     print(md)
-    n_wrong = sum(r["wrong"] for r in rows)
+    n_wrong = wrong_total(rows)
     if n_wrong:
         print(f"coll_bench: {n_wrong} wrong elements", file=sys.stderr)
     return 1 if n_wrong or session.errors else 0

@@ -15,6 +15,7 @@
 #include "commux/process_group_ucx.hpp"
 #include "commux/transports.hpp"
 #include "../c10d/ep_kernels.hpp"
+#include "../c10d/noop_backend.hpp"
 #include "../c10d/work.hpp"
 
 namespace py = pybind11;
@@ -93,6 +94,13 @@ PYBIND11_MODULE(_C, m) {
       commux::c10d_detail::set_interrupt_hook({&on_python_main_thread, &check_python_signals});
     }
   }
+
+  // The benchmark's reference for torch's own cost per call (src/c10d/noop_backend.hpp).
+  using commux::c10d_detail::NoopBackend;
+  py::class_<NoopBackend, c10d::Backend, c10::intrusive_ptr<NoopBackend>>(m, "_NoopBackend")
+      .def(py::init(
+               [](int rank, int size) { return c10::make_intrusive<NoopBackend>(rank, size); }),
+           py::arg("rank"), py::arg("size"));
 
   py::class_<commux::ProcessGroupUCX, c10d::Backend, c10::intrusive_ptr<commux::ProcessGroupUCX>>(
       m, "ProcessGroupUCX")
