@@ -541,7 +541,6 @@ bool handles(const std::string& op, const std::string& name, int n, bool uniform
   if (op == "allgather" && name == "recursive_doubling") return pow2 && uniform;
   if (op == "allgather" && name == "bruck") return uniform;
   if (op == "reduce_scatter" && name == "recursive_halving") return pow2;
-  if (op == "barrier" && name == "recursive_doubling") return pow2;
   return true;
 }
 

@@ -269,7 +269,6 @@ extern const Algorithm<AllgatherArgs> allgather_ring, allgather_recursive_doubli
 extern const Algorithm<ReduceScatterArgs> reduce_scatter_ring, reduce_scatter_recursive_halving;
 extern const Algorithm<AlltoallArgs> alltoall_pairwise, alltoall_linear;
 extern const Algorithm<BarrierArgs> barrier_dissemination;
-extern const Algorithm<BarrierArgs> barrier_recursive_doubling;
 extern const Algorithm<RootedArgs> gather_binomial, gather_linear, scatter_binomial, scatter_linear;
 }  // namespace algo
 

@@ -209,8 +209,7 @@ const Table<AlltoallArgs>& alltoall_table() {
   return t;
 }
 const Table<BarrierArgs>& barrier_table() {
-  static const Algorithm<BarrierArgs>* const list[] = {&algo::barrier_dissemination,
-                                                       &algo::barrier_recursive_doubling};
+  static const Algorithm<BarrierArgs>* const list[] = {&algo::barrier_dissemination};
   static const Table<BarrierArgs> t = make_table(Coll::kBarrier, list);
   return t;
 }
