@@ -71,6 +71,7 @@ class Worker {
     if (inflight_ != nullptr) inflight_->prev = op.get();
     inflight_ = op.get();
     inflight_count_.fetch_add(1);
+    if (op->capacity > kBackgroundBytes) inflight_large_.fetch_add(1);
   }
   // Removes `op` and hands back its self-reference (nullptr when it was not listed).
   std::shared_ptr<Op> unregister_locked(Op& op) {
@@ -80,6 +81,7 @@ class Worker {
     if (inflight_ == &op) inflight_ = op.next;
     op.prev = op.next = nullptr;
     inflight_count_.fetch_sub(1);
+    if (op.capacity > kBackgroundBytes) inflight_large_.fetch_sub(1);
     return std::move(op.self);
   }
   Op* inflight_locked() const noexcept { return inflight_; }  // the first; follow Op::next
@@ -132,6 +134,11 @@ class Worker {
   int wake_fd_ = -1;
   Op* inflight_ = nullptr;  // [mu] intrusive list of in-flight ops
   std::atomic<int> inflight_count_{0};
+  // Operations above kBackgroundBytes: a transfer in several fragments or a rendezvous, which
+  // moves only while someone progresses. A waiter that stops spinning hands progress back to the
+  // progress thread at once only while one is in flight (wait()).
+  static constexpr std::size_t kBackgroundBytes = 4096;
+  std::atomic<int> inflight_large_{0};
   std::atomic<int> spinners_{0};  // threads spinning in wait(): the progress thread stays off
   std::atomic<int> sleepers_{0};  // threads sleeping in wait(): completions notify done_cv_
   std::atomic<YieldMode> yield_{YieldMode::kAfterSpin};
