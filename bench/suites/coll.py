@@ -465,8 +465,17 @@ def summarize(rounds):
 
 
 def wrong_total(rows):
-    """Wrong elements over rows; a reference's rows (wrong None: not checked) count nothing."""
-    return sum(r["wrong"] for r in rows if r["wrong"] is not None)
+    """Wrong elements over rows; a reference's rows (wrong None: not checked) count nothing. A
+    checked backend's row without a check result is an error, never a silent 0."""
+    total = 0
+    for r in rows:
+        if r["backend"] in REFERENCES:
+            continue
+        if r["wrong"] is None:
+            raise RuntimeError(f"coll_bench: {r['backend']} {r['op']} {r['bytes']} B has no "
+                               "correctness result")
+        total += r["wrong"]
+    return total
 
 
 def targets(rows):

@@ -123,6 +123,9 @@ def test_coll_reference_never_hides_a_wrong_result():
     line = next(x for x in coll.table(rows, backends, ["allreduce"], [2]).splitlines()
                 if x.startswith("| 8 B"))
     assert line.endswith("| 5.00 | met | 1.11 / **2.00** / 1.00 | 0 |"), line
+    rows[0].update(wrong=None)  # a checked backend that lost its check result
+    with pytest.raises(RuntimeError, match="ucx allreduce 8 B has no correctness result"):
+        coll.wrong_total(rows)
 
 
 def _result(backends, ops=("allreduce", "barrier"), notes=()):
