@@ -24,6 +24,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "commux/collectives.hpp"
@@ -670,6 +671,41 @@ TEST_P(CallChecks, ACallRejectedOnOneRankFailsTheOthersWithItsReason) {
   EXPECT_TRUE(has(errs[1], "invalid argument")) << errs[1];
   EXPECT_TRUE(has(errs[0], "call mismatch")) << errs[0];
   EXPECT_TRUE(has(errs[0], "rank 1 rejected its call allreduce #1: buf is null")) << errs[0];
+}
+
+// Context::poll: what it throws stops the collective on its rank, unchanged, and the other rank's
+// call fails at once saying so (the torch backend's Ctrl-C in a collective run on the caller's
+// thread). Rank 1 joins late, so rank 0 waits long enough to poll.
+TEST_P(CallChecks, WhatPollThrowsStopsTheCallOnEveryRank) {
+  struct Stopped {};
+  bool stopped = false;
+  bool completed = false;
+  const auto errs = mismatched_then_healthy(GetParam(), [&](Communicator& c) {
+    std::vector<float> x(1000, 1.0f);
+    coll::Context ctx = call_ctx(c, 1, "allreduce");
+    if (c.rank() == 0) {
+      ctx.poll = [] { throw Stopped{}; };
+      try {
+        coll::allreduce(ctx, x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum);
+      } catch (const Stopped&) {
+        stopped = true;
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      coll::allreduce(ctx, x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum);
+      // Eager: rank 0's one message was sent before it stopped, and it is all rank 1 needs.
+      if (std::any_of(x.begin(), x.end(), [](float v) { return v != 2.0f; })) {
+        throw std::runtime_error("rank 1 completed the call with a wrong sum");
+      }
+      completed = true;
+    }
+  });
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(errs[0], "");
+  if (GetParam() == LoopMode::kEager && completed) return;
+  EXPECT_TRUE(has(errs[1], "call mismatch")) << errs[1];
+  EXPECT_TRUE(has(errs[1], "rank 0 is in allreduce #1 (1000 float32 SUM")) << errs[1];
+  EXPECT_TRUE(has(errs[1], "its caller stopped the call on that rank")) << errs[1];
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CallChecks,

@@ -120,6 +120,12 @@ struct Context {
   // describe the call ("1000 float32 SUM"); nullptr: described from the collective's arguments.
   std::uint64_t call_key = 0;
   const char* call_text = nullptr;
+  // Called on the calling thread every 10 ms or so while the collective waits for a peer (never
+  // when it completes within 25 ms). Whatever it throws stops the collective on this rank: what
+  // is outstanding is cancelled, the other ranks of the call are told (their call fails with
+  // kCallMismatch saying this rank stopped it) and the exception propagates unchanged. The torch
+  // backend lets Ctrl-C through this way. nullptr: no calls.
+  void (*poll)() = nullptr;
 };
 
 // Algorithm selection. `op` names a collective: "allreduce", "broadcast", "reduce", "allgather"

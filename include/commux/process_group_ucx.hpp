@@ -55,6 +55,9 @@ class ProcessGroupUCX : public c10d::Backend {
   // Collective calls that ran with device operations (reductions and scratch on the tensors'
   // device, through ATen): device tensors, and CPU tensors with COMMUX_ATEN_REDUCE=1.
   std::uint64_t device_ops_calls() const;
+  // Collectives that ran on the thread that issued or waited for them (COMMUX_CALLER_RUNS), not
+  // on the group's collective thread.
+  std::uint64_t caller_ran_calls() const;
 
   // Sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper uses them): the number of
   // collectives this group has issued, equal on every rank that issued the same calls.

@@ -45,6 +45,7 @@ struct Settings {
   Yield yield = Yield::kAuto;                                  // COMMUX_YIELD
   bool ucx_defaults = true;                                    // COMMUX_UCX_DEFAULTS
   bool aten_reduce = false;                                    // COMMUX_ATEN_REDUCE
+  bool caller_runs = true;                                     // COMMUX_CALLER_RUNS
   // Once per process.
   bool ep_aten = false;       // COMMUX_EP_ATEN
   std::string store_token;    // COMMUX_STORE_TOKEN, "" = none

@@ -190,3 +190,41 @@ def test_ctrl_c_interrupts_a_blocked_wait():
     assert not r["next_recv"]["raised"] and r["next_recv_value"] == [7.0] * 8, r
     bad = [o for o in closed if o.exc_type == "Hang" or o.exit_code != 0]
     assert not bad, "\n".join(o.describe() for o in bad)
+
+
+def _ctrl_c_stops_the_call(ctx):
+    """Ctrl-C in a blocking all_reduce, which runs on the caller's thread, stops that call on every
+    rank: rank 0 is interrupted while rank 1 has not joined yet; when rank 1 joins, its call fails
+    at once saying rank 0 stopped it (never pairing with rank 0's next call), and the next
+    all_reduce is right on both."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    out = {}
+    # 16 MiB: several steps, so rank 1 cannot finish from what rank 0 sent before it stopped (a
+    # small call can, and then its result is right).
+    x = torch.ones(4 << 20)
+    if ctx.rank == 0:
+        out["all_reduce"] = _interrupted(lambda: dist.all_reduce(x))
+        touch(os.path.join(ctx.dir, "stopped"))
+    else:
+        wait_file(os.path.join(ctx.dir, "stopped"), timeout=60)
+        t0 = time.monotonic()
+        out["all_reduce"] = expect_raises(lambda: dist.all_reduce(x))
+        out["failed_after_s"] = time.monotonic() - t0
+    y = torch.full((5,), float(ctx.rank + 1))
+    dist.all_reduce(y)
+    out["next"] = y.tolist()
+    return out
+
+
+def test_ctrl_c_in_a_collective_stops_it_on_every_rank():
+    outs, closed = mp.run_once(_ctrl_c_stops_the_call, 2, backend=BACKEND, pg_timeout_s=INT_PG_TIMEOUT,
+                               timeout=90)
+    assert all(o.ok for o in outs), _describe(outs)
+    r0, r1 = outs[0].value, outs[1].value
+    assert r0["all_reduce"]["raised"] == "KeyboardInterrupt" and r0["all_reduce"]["after_signal_s"] < 15, r0
+    e = r1["all_reduce"]
+    assert e["raised"] and e["type"] == "DistBackendError" and "stopped the call" in e["msg"], r1
+    assert "rank 0" in e["msg"] and r1["failed_after_s"] < 15, r1
+    assert r0["next"] == [3.0] * 5 and r1["next"] == [3.0] * 5, (r0, r1)
+    bad = [o for o in closed if o.exc_type == "Hang" or o.exit_code != 0]
+    assert not bad, "\n".join(o.describe() for o in bad)

@@ -1,4 +1,5 @@
 """Work objects (futures, waits, completion polling) and concurrent subgroups."""
+import os
 import time
 from datetime import timedelta
 
@@ -369,3 +370,63 @@ def _p2p_futures(ctx):
 @worlds(2, 3)
 def test_p2p_futures(ranks, ws):
     ranks.run(_p2p_futures, timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------
+def _backend(group=None):
+    g = group if group is not None else dist.distributed_c10d._get_default_group()
+    return g._get_backend(torch.device("cpu"))
+
+
+def _caller_runs(ctx):
+    """COMMUX_CALLER_RUNS (on by default): a blocking collective with nothing of its group queued
+    before it runs on the calling thread (torch may get a completed Work back), so every one of
+    them counts in caller_ran_calls; async ones run where they are waited for or on the group's
+    thread, in issue order either way. A group created with COMMUX_CALLER_RUNS=0 runs none on the
+    caller. Every result is checked."""
+    W, me = ctx.world, ctx.rank
+    tri = float(W * (W + 1) // 2)
+    be = _backend()
+    before = be.caller_ran_calls
+    for i in range(40):
+        x = torch.full((33 + i,), float(me + 1))
+        dist.all_reduce(x)
+        check_equal(f"blocking all_reduce #{i}", x, torch.full((33 + i,), tri))
+        dist.barrier()
+    blocking = be.caller_ran_calls - before
+    # Async ones issued back to back, waited in issue order and in reverse, with blocking ones
+    # between them: each lands in its own output.
+    works, checks = [], []
+    for i in range(6):
+        x = torch.full((100 + i,), float(me + i))
+        works.append(dist.all_reduce(x, async_op=True))
+        checks.append((f"async all_reduce #{i}", x, torch.full((100 + i,), float(sum(r + i for r in range(W))))))
+        if i == 2:
+            y = torch.full((7,), float(me))
+            dist.all_reduce(y)  # queued behind the async ones (or run here once they are done)
+            checks.append(("blocking all_reduce among async ones", y, torch.full((7,), float(W * (W - 1) // 2))))
+    for w in works[:3]:
+        w.wait()
+    for w in reversed(works[3:]):
+        w.wait()
+    for what, got, want in checks:
+        check_equal(what, got, want)
+    os.environ["COMMUX_CALLER_RUNS"] = "0"
+    try:
+        g = dist.new_group(list(range(W)))
+    finally:
+        del os.environ["COMMUX_CALLER_RUNS"]
+    off = _backend(g)
+    for i in range(10):
+        x = torch.full((5,), float(me + 1))
+        dist.all_reduce(x, group=g)
+        check_equal(f"all_reduce #{i} with COMMUX_CALLER_RUNS=0", x, torch.full((5,), tri))
+    return {"blocking": blocking, "off": off.caller_ran_calls}
+
+
+@pytest.mark.ucx_semantics  # commux's counter
+@worlds(2, 3)
+def test_blocking_collectives_run_on_the_calling_thread(ranks, ws):
+    for r in ranks.run(_caller_runs, timeout=60):
+        assert r["blocking"] == 80, r  # 40 all_reduces and 40 barriers
+        assert r["off"] == 0, r

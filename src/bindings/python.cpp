@@ -165,7 +165,10 @@ PYBIND11_MODULE(_C, m) {
           py::arg("timeout_ms") = 0)
       .def_property_readonly("device_ops_calls", &commux::ProcessGroupUCX::device_ops_calls,
                              "collective calls that reduced and kept scratch on the tensors' "
-                             "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)");
+                             "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)")
+      .def_property_readonly("caller_ran_calls", &commux::ProcessGroupUCX::caller_ran_calls,
+                             "collectives run on the thread that issued or waited for them "
+                             "(COMMUX_CALLER_RUNS), not on the group's collective thread");
 
   // commux.ep's row work (src/c10d/ep_kernels.hpp).
   m.def(

@@ -144,7 +144,11 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   // COMMUX_ATEN_REDUCE=1: CPU collectives also work through the ATen DeviceOps (scratch, local
   // copies and reductions by ATen's CPU kernels) -- the device path's code, checkable without a
   // GPU. Not a speed-up: 1.03-1.35x slower than commux's kernels here (bench/experiments/aten_reduce_ab.py).
-  aten_on_cpu_ = commux::Settings::from_environment().aten_reduce;  // read as the group is created
+  const auto settings = commux::Settings::from_environment();  // read as the group is created
+  aten_on_cpu_ = settings.aten_reduce;
+  caller_runs_ = settings.caller_runs;
+  gate_ = std::make_shared<c10d_detail::RunnerGate>();
+  gate_->runner = this;
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
   recorder_ = std::make_unique<c10d_detail::FlightRecorder>(store, rank, size, group_name_);
   COMMUX_LOG(kInfo, rank, "torch backend '", name_, "': process group '", group_name_,
@@ -168,6 +172,10 @@ std::uint64_t ProcessGroupUCX::device_ops_calls() const {
   return impl_->device_ops_calls_.load(std::memory_order_relaxed);
 }
 
+std::uint64_t ProcessGroupUCX::caller_ran_calls() const {
+  return impl_->caller_ran_.load(std::memory_order_relaxed);
+}
+
 std::string ProcessGroupUCX::Impl::where() const {
   return "group '" + group_name_ + "', rank " + std::to_string(getRank()) + " of " +
          std::to_string(getSize());
@@ -188,7 +196,11 @@ void ProcessGroupUCX::Impl::shutdown() {
   if (comm_) comm_->shutdown();
   {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return !serving_; });
+    cv_.wait(lk, [&] { return !serving_ && waiters_in_ == 0; });
+  }
+  if (gate_) {
+    std::lock_guard<std::mutex> lk(gate_->mu);
+    gate_->runner = nullptr;  // enter() refuses from here on anyway (stopping_)
   }
   watcher_->stop();  // after comm_->shutdown(): every request has finished
   for (auto& t : left) {
@@ -218,7 +230,8 @@ void ProcessGroupUCX::Impl::serve() {
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (queue_.empty()) {
+      // A waiter running one of the group's tasks submits the group again when it is done.
+      if (queue_.empty() || busy_) {
         serving_ = false;  // the next enqueue submits this group again
         cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
         return;
@@ -226,20 +239,96 @@ void ProcessGroupUCX::Impl::serve() {
       t = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
+      t->taken = true;
+      busy_ = true;
     }
-    std::exception_ptr err;
-    recorder_->started(t->tag);
-    try {
-      if (any_dead_.load(std::memory_order_acquire)) drain_dead(t->tag);
-      run(*t);
-    } catch (...) {
-      err = std::current_exception();
-      note_dead(t->tag, t->ntags);
+    std::exception_ptr err = execute(*t);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      busy_ = false;
     }
-    err = recorder_->finished(t->tag, err);  // a timeout gets the hang report
-    t->body = nullptr;
-    t->keep_alive.clear();
+    // Outside the group's lock and with no task marked running: a future callback that issues and
+    // waits for another collective of the group can run it.
     t->finish(err);
+  }
+}
+
+std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
+  std::exception_ptr err;
+  recorder_->started(t.tag);
+  try {
+    if (any_dead_.load(std::memory_order_acquire)) drain_dead(t.tag);
+    run(t);
+  } catch (...) {
+    err = std::current_exception();
+    note_dead(t.tag, t.ntags);
+  }
+  err = recorder_->finished(t.tag, err);  // a timeout gets the hang report
+  t.body = nullptr;
+  t.keep_alive.clear();
+  return err;
+}
+
+bool ProcessGroupUCX::Impl::needs_server_locked() {
+  if (queue_.empty() || serving_ || busy_ || stopping_) return false;
+  serving_ = true;
+  return true;
+}
+
+// --- a waiter runs its collective (CollWork::wait) ----------------------------------------------
+
+bool ProcessGroupUCX::Impl::enter() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stopping_) return false;
+  ++waiters_in_;
+  return true;
+}
+
+void ProcessGroupUCX::Impl::leave() {
+  bool submit = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    --waiters_in_;
+    submit = needs_server_locked();
+    cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
+  }
+  if (submit) c10d_detail::CollectivePool::instance().submit(this);
+}
+
+void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target) {
+  for (;;) {
+    std::shared_ptr<Task> t;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      // Device collectives keep to the collective thread (they wait for the issuing stream there).
+      if (stopping_ || busy_ || target->taken || queue_.empty() ||
+          !queue_.front()->device.is_cpu()) {
+        return;
+      }
+      t = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_release);
+      t->taken = true;
+      busy_ = true;
+    }
+    const auto interrupts = c10d_detail::interrupts_raised();
+    caller_ran_.fetch_add(1, std::memory_order_relaxed);
+    std::exception_ptr err = execute(*t);
+    const bool interrupted = c10d_detail::interrupts_raised() != interrupts;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      busy_ = false;
+    }
+    if (interrupted) {
+      // Ctrl-C stopped this collective (Context::poll): the other ranks were told; the Work fails
+      // as canceled, and the interrupt itself goes to the waiter.
+      t->finish(std::make_exception_ptr(Error(
+          Errc::kCanceled, std::string("commux ") + t->op_name + ": interrupted on this rank (" +
+                               where() + ") while it ran; the other ranks were told")));
+      std::rethrow_exception(err);
+    }
+    t->finish(err);
+    if (t == target) return;
   }
 }
 
@@ -268,6 +357,7 @@ std::chrono::milliseconds ProcessGroupUCX::Impl::effective(
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
                                                               const char* op_name,
                                                               std::chrono::milliseconds op_timeout,
+                                                              bool async_op,
                                                               std::vector<at::Tensor> keep_alive,
                                                               std::vector<at::Tensor> outputs,
                                                               Body body, std::uint32_t ntags) {
@@ -297,6 +387,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
   for (const auto& o : t->outputs) bytes += nbytes(o);
   const bool small = bytes <= kSpinWaitBytes;
   bool submit = false;
+  bool here = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) {
@@ -308,12 +399,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
     recorder_->issued(t->tag, op_name, bytes);
     ++collectives_issued_;
     t->spin = small ? spin_ : std::chrono::microseconds(0);
+    if (caller_runs_) t->gate = gate_;
     queue_.push_back(t);
     queued_.fetch_add(1, std::memory_order_release);
-    submit = !serving_;
-    serving_ = true;
+    // Not while a waiter runs the group's tasks (it submits when it is done), nor for a call
+    // this thread runs now.
+    // (A collective thread serving the group but not running a task finds the queue empty.)
+    here = !async_op && caller_runs_ && t->device.is_cpu() && !busy_ && queue_.size() == 1;
+    if (here) ++waiters_in_;  // enter()
+    submit = !here && needs_server_locked();
   }
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
+  if (here) {
+    struct Leave {
+      Impl* g;
+      ~Leave() { g->leave(); }  // submits the group if anything is left queued
+    } leave{this};
+    run_through(t);
+  }
   return track(c10::make_intrusive<CollWork>(getRank(), std::move(t), limit, where()));
 }
 
@@ -335,6 +438,8 @@ coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t 
   c.deadline = deadline;
   c.op_name = op_name;
   c.mem = MemoryType::kHost;
+  // Run by a waiter on Python's main thread (CollWork::wait): Ctrl-C stops it.
+  if (c10d_detail::interruptible()) c.poll = &c10d_detail::poll_interrupt;
   if (like.defined()) {
     // Every rank's tensors of a collective have one dtype: part of the call's fingerprint, and
     // with the element count how errors describe the call ("1000 float32").
@@ -484,7 +589,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::endCoalescing() {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::barrier(const c10d::BarrierOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
-  return enqueue(c10d::OpType::BARRIER, "barrier", opts.timeout, {}, {},
+  return enqueue(c10d::OpType::BARRIER, "barrier", opts.timeout, opts.asyncOp, {}, {},
                  [this](std::uint32_t tag, Clock::time_point dl) {
                    coll::barrier(context("barrier", tag, dl, at::Tensor()));
                  });
@@ -496,7 +601,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(
   const at::Tensor t = single("broadcast", tensors);
   check_root("broadcast", opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, "broadcast", opts.timeout, {}, tensors,
+  return enqueue(c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp, {}, tensors,
                  [this, t, root](std::uint32_t tag, Clock::time_point dl) {
                    coll::broadcast(context("broadcast", tag, dl, t), t.data_ptr(), nbytes(t), root);
                  });
@@ -512,7 +617,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(
   const Reduction r = to_reduction("allreduce", opts.reduceOp, t.scalar_type());
   const DataType dt = to_dtype("allreduce", t.scalar_type());
   const int size = getSize();
-  return enqueue(c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, {}, tensors,
+  return enqueue(c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, opts.asyncOp, {}, tensors,
                  [this, t, r, dt, size](std::uint32_t tag, Clock::time_point dl) mutable {
                    apply_scale(t, r.pre_scale);
                    coll::allreduce(context("allreduce", tag, dl, t), t.data_ptr(), t.numel(), dt,
@@ -529,7 +634,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_coalesced(
   to_reduction(op, opts.reduceOp, tensors[0].scalar_type());  // validate now, on every rank
   std::vector<at::Tensor> ts = tensors;
   const int size = getSize();
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, op, opts.timeout, {}, tensors,
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, op, opts.timeout, opts.asyncOp, {}, tensors,
                  [this, ts, op, opts, size](std::uint32_t tag, Clock::time_point dl) {
                    const Reduction red = to_reduction(op, opts.reduceOp, ts[0].scalar_type());
                    std::vector<at::Tensor> flat_parts;
@@ -557,7 +662,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Ten
   const int root = static_cast<int>(opts.rootRank);
   const int size = getSize();
   const bool is_root = getRank() == root;
-  return enqueue(c10d::OpType::REDUCE, "reduce", opts.timeout, {}, tensors,
+  return enqueue(c10d::OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp, {}, tensors,
                  [this, t, r, dt, root, size, is_root](std::uint32_t tag, Clock::time_point dl) {
                    // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
                    at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
@@ -576,7 +681,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather(
   const at::Tensor in = single(op, inputs);
   c10d_detail::check_allgather_outputs(op, outputs, in, getSize());
   std::vector<at::Tensor> outs = outputs[0];
-  return enqueue(c10d::OpType::ALLGATHER, op, opts.timeout, {in}, outs,
+  return enqueue(c10d::OpType::ALLGATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
                  [this, in, outs, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat =
                        at::empty({static_cast<int64_t>(outs.size()) * in.numel()}, in.options());
@@ -594,7 +699,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_allgather_base(
   const char* op = "_allgather_base";
   check_blocks(op, input, "input", output, "output", getSize());
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, op, opts.timeout, {in}, {out},
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
                  [this, in, out, op](std::uint32_t tag, Clock::time_point dl) {
                    coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
                                    out.data_ptr());
@@ -612,7 +717,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_coalesced(
   auto ins = inputs;
   auto outlists = outputs;
   return enqueue(
-      c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
+      c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, opts.asyncOp, ins, outs,
       [this, ins, outlists, op](std::uint32_t tag, Clock::time_point dl) {
         for (std::size_t i = 0; i < ins.size(); ++i) {
           const at::Tensor& in = ins[i];
@@ -636,7 +741,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_into_tensor_coal
   auto ins = inputs;
   auto outs = outputs;
   return enqueue(
-      c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, ins, outs,
+      c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, opts.asyncOp, ins, outs,
       [this, ins, outs, op](std::uint32_t tag, Clock::time_point dl) {
         for (std::size_t i = 0; i < ins.size(); ++i) {
           coll::allgather(context(op, tag + i, dl, ins[i]), ins[i].data_ptr(), nbytes(ins[i]),
@@ -656,7 +761,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(
   const int root = static_cast<int>(opts.rootRank);
   const std::vector<at::Tensor> outs =
       root_list(op, outputs, in, getRank() == root, root, getSize(), "output");
-  return enqueue(c10d::OpType::GATHER, op, opts.timeout, {in}, outs,
+  return enqueue(c10d::OpType::GATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
                  [this, in, outs, root, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat;
                    if (!outs.empty()) {
@@ -681,7 +786,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
   const int root = static_cast<int>(opts.rootRank);
   const std::vector<at::Tensor> ins =
       root_list(op, inputs, out, getRank() == root, root, getSize(), "input");
-  return enqueue(c10d::OpType::SCATTER, op, opts.timeout, ins, {out},
+  return enqueue(c10d::OpType::SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
                  [this, ins, out, root, op](std::uint32_t tag, Clock::time_point dl) {
                    at::Tensor flat;
                    if (!ins.empty()) {
@@ -717,7 +822,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter(
   const Reduction r = to_reduction(op, opts.reduceOp, out.scalar_type());
   auto ins = inputs[0];
   const int size = getSize();
-  return enqueue(c10d::OpType::REDUCE_SCATTER, op, opts.timeout, ins, {out},
+  return enqueue(c10d::OpType::REDUCE_SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
                  [this, ins, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
                    std::vector<at::Tensor> parts;
                    for (auto& i : ins) parts.push_back(i.reshape({-1}));
@@ -733,7 +838,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_reduce_scatter_base(
   const Reduction r = to_reduction(op, opts.reduceOp, output.scalar_type());
   at::Tensor in = input, out = output;
   const int size = getSize();
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, op, opts.timeout, {in}, {out},
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
                  [this, in, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
                    // The input is not modified: PREMUL_SUM scales a copy.
                    run_reduce_scatter(context(op, tag, dl, out),
@@ -753,7 +858,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter_tensor_coal
   auto outs = outputs;
   const int size = getSize();
   return enqueue(
-      torch_compat::kReduceScatterTensorCoalesced, op, opts.timeout, ins, outs,
+      torch_compat::kReduceScatterTensorCoalesced, op, opts.timeout, opts.asyncOp, ins, outs,
       [this, ins, outs, rs, size, op](std::uint32_t tag, Clock::time_point dl) {
         for (std::size_t i = 0; i < ins.size(); ++i) {
           run_reduce_scatter(context(op, tag + i, dl, outs[i]),
@@ -774,7 +879,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(
   c10d_detail::split_bytes(op, "input", input, inputSplitSizes, getSize(), sc, sd);
   c10d_detail::split_bytes(op, "output", output, outputSplitSizes, getSize(), rc, rd);
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::ALLTOALL_BASE, op, opts.timeout, {in}, {out},
+  return enqueue(c10d::OpType::ALLTOALL_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
                  [this, in, out, sc, sd, rc, rd, op](std::uint32_t tag, Clock::time_point dl) {
                    coll::alltoallv(context(op, tag, dl, in), in.data_ptr(), sc.data(), sd.data(),
                                    out.data_ptr(), rc.data(), rd.data());
@@ -800,7 +905,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
   }
   auto ins = inputs;
   auto outs = outputs;
-  return enqueue(c10d::OpType::ALLTOALL, op, opts.timeout, ins, outs,
+  return enqueue(c10d::OpType::ALLTOALL, op, opts.timeout, opts.asyncOp, ins, outs,
                  [this, ins, outs, sc, sd, rc, rd, so, ro, op](std::uint32_t tag,
                                                                Clock::time_point dl) {
                    // Packed into one send and one receive buffer (bytes), on the tensors' device.

@@ -39,7 +39,7 @@
 
 namespace commux {
 
-struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client {
+struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_detail::TaskRunner {
   using Body = std::function<void(std::uint32_t tag, std::chrono::steady_clock::time_point)>;
 
   Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -113,8 +113,11 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client {
       std::chrono::milliseconds timeout);
 
   // Queues `body` for the group's collectives; the returned Work completes when it has run.
+  // !async_op (torch's opts.asyncOp: the caller waits at once): a CPU collective runs here, on the
+  // calling thread, when no earlier one of the group is queued or running (torch lets a backend
+  // return a completed Work), else as with async_op.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* op_name,
-                                         std::chrono::milliseconds op_timeout,
+                                         std::chrono::milliseconds op_timeout, bool async_op,
                                          std::vector<at::Tensor> keep_alive,
                                          std::vector<at::Tensor> outputs, Body body,
                                          std::uint32_t ntags = 1);
@@ -154,6 +157,16 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client {
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
   void serve() override;
+  // TaskRunner: a waiter runs queued collectives on its own thread (CollWork::wait).
+  bool enter() override;
+  void leave() override;
+  void run_through(const std::shared_ptr<c10d_detail::Task>& t) override;
+  // Runs a task taken from the queue (the flight record, the dead calls' messages, the body);
+  // what it threw, after the record. Does not finish the task.
+  std::exception_ptr execute(c10d_detail::Task& t);
+  // [mu_] The queue has tasks nobody is running or will run: marks the group served; the caller
+  // then submits it to the pool (after unlocking).
+  bool needs_server_locked();
   std::string where() const;
 
   int rank_;
@@ -169,6 +182,11 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client {
   std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the pool thread's lock-free polling
   std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before letting go
   bool serving_ = false;                // [mu_] submitted to the pool, until serve() lets go
+  bool busy_ = false;                   // [mu_] a thread (pool or waiter) is running a task
+  int waiters_in_ = 0;                  // [mu_] waiters admitted by enter(), not yet left
+  bool caller_runs_ = true;             // COMMUX_CALLER_RUNS
+  std::atomic<std::uint64_t> caller_ran_{0};  // collectives run_through() ran
+  std::shared_ptr<c10d_detail::RunnerGate> gate_;  // shared with the Tasks
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;
   std::mutex dead_mu_;

@@ -72,7 +72,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_sparse(
   const int size = getSize();
   const std::string where_ = where();
   return enqueue(
-      c10d::OpType::ALLREDUCE, kOp, opts.timeout, {}, tensors,
+      c10d::OpType::ALLREDUCE, kOp, opts.timeout, opts.asyncOp, {}, tensors,
       [this, t, size, where_](std::uint32_t tag, c10d_detail::Clock::time_point dl) mutable {
         const at::AutoDispatchBelowAutograd no_autograd;  // plain tensors, as in Gloo
         const at::Tensor in = t.coalesce();

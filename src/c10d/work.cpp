@@ -47,6 +47,14 @@ void check_interrupt() {
 
 std::uint64_t interrupts_raised() noexcept { return tl_interrupts; }
 
+void poll_interrupt() {
+  thread_local Clock::time_point next{};
+  const auto now = Clock::now();
+  if (now < next) return;
+  next = now + kInterruptPoll;
+  check_interrupt();
+}
+
 // --- Task / CollWork -------------------------------------------------------------------------
 
 void Task::finish(std::exception_ptr e) {
@@ -88,8 +96,29 @@ std::exception_ptr CollWork::exception() const {
   return task_->error;
 }
 
+void CollWork::run_here() {
+  TaskRunner* runner = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(task_->gate->mu);
+    if (task_->gate->runner != nullptr && task_->gate->runner->enter()) runner = task_->gate->runner;
+  }
+  if (runner == nullptr) return;
+  struct Leave {
+    TaskRunner* r;
+    ~Leave() { r->leave(); }
+  } leave{runner};
+  runner->run_through(task_);
+}
+
 bool CollWork::wait(std::chrono::milliseconds timeout) {
   const auto limit = timeout.count() > 0 ? timeout : default_timeout_;
+  // A collective no thread has started yet runs here, on the waiting thread, so that a blocking
+  // call costs no hand-off to the collective thread and back -- unless the wait has a shorter
+  // limit than the collective's own deadline (it must be able to return at that limit).
+  if (task_->gate != nullptr && !task_->finished.load(std::memory_order_acquire) &&
+      (timeout.count() <= 0 || Clock::now() + timeout >= task_->deadline)) {
+    run_here();
+  }
   // A short collective finishes within microseconds: poll (yielding the CPU to the worker and the
   // peer) before paying a futex sleep and wake-up.
   if (task_->spin.count() > 0 && !task_->finished.load(std::memory_order_acquire)) {

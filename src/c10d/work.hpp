@@ -7,8 +7,10 @@
 //     once, so the tensors then live only as long as the user holds the Work.
 //   * A P2PWork whose wait (or future) times out is cancelled, so that it cannot take a later
 //     message meant for the next operation on its tag.
-//   * A collective is a Task: the worker thread owns it (tensors included) until it has run; the
-//     CollWork shares the Task to wait on it and to hand out its future.
+//   * A collective is a Task: the group's queue, then the thread that runs it (the group's
+//     collective thread, or a waiter's: CollWork::wait runs a collective not yet started on the
+//     waiting thread), owns it (tensors included) until it has run; the CollWork shares the Task to
+//     wait on it and to hand out its future.
 //   * CoalescedWork holds the Works issued inside one coalescing window.
 //   * The FutureWatcher (watcher.hpp) that completes p2p futures is the backend's; a P2PWork only
 //     holds a weak_ptr to it.
@@ -56,6 +58,35 @@ bool interruptible() noexcept;
 void check_interrupt();
 std::uint64_t interrupts_raised() noexcept;
 
+// Context::poll for a collective run on an interruptible thread: check_interrupt() every
+// kInterruptPoll (it throws the interrupt, which stops the collective).
+void poll_interrupt();
+
+struct Task;
+
+// Lets a waiter run its collective on its own thread (CollWork::wait) instead of waiting for the
+// group's collective thread to take it: the group implements it (process_group_ucx.cpp).
+class TaskRunner {
+ public:
+  virtual ~TaskRunner() = default;
+  // Admits a waiter; false once the group is shutting down. Every admitted waiter calls leave();
+  // the group is not destroyed before.
+  virtual bool enter() = 0;
+  virtual void leave() = 0;
+  // Runs the group's queued collectives on this thread, in order, up to and including `t`, each
+  // only while no other thread runs one of the group's; returns as soon as it cannot (`t` already
+  // taken, another thread running the group's collectives, a device collective first, the group
+  // shutting down), leaving the rest to the collective thread. An interrupt (Ctrl-C) stops the
+  // collective it ran: its Task fails as canceled, and the interrupt propagates.
+  virtual void run_through(const std::shared_ptr<Task>& t) = 0;
+};
+
+// The group behind its Tasks, for as long as it is alive.
+struct RunnerGate {
+  std::mutex mu;
+  TaskRunner* runner = nullptr;  // [mu] cleared by the group's shutdown
+};
+
 struct Task {
   const char* op_name = "";
   c10d::OpType type = c10d::OpType::UNKNOWN;
@@ -76,6 +107,10 @@ struct Task {
   std::atomic<bool> finished{false};  // = done, readable without the lock (waiters spin on it)
   std::chrono::microseconds spin{0};  // how long wait() polls `finished` before it sleeps
   std::exception_ptr error;
+  // Its group, for a waiter that runs it (null: never run by a waiter); taken: a thread has
+  // taken it from the group's queue to run it (guarded by the group's lock).
+  std::shared_ptr<RunnerGate> gate;
+  bool taken = false;
 
   void finish(std::exception_ptr e);
 };
@@ -93,6 +128,8 @@ class CollWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return task_->future; }
 
  private:
+  // Runs the task on this thread if the group lets it (TaskRunner::run_through).
+  void run_here();
   std::shared_ptr<Task> task_;
   std::chrono::milliseconds default_timeout_;
   std::string where_;

@@ -176,6 +176,16 @@ void Exchange::check_calls(std::size_t id) {
   }
 }
 
+void Exchange::poll_caller() {
+  try {
+    ctx_.poll();
+  } catch (...) {
+    // Not an Error: it leaves unchanged (the destructor cancels what is outstanding).
+    notify('M', "its caller stopped the call on that rank (e.g. Ctrl-C)");
+    throw;
+  }
+}
+
 void Exchange::noticed(int peer, const std::string& notice) {
   const char kind = notice.empty() ? '?' : notice[0];
   const std::size_t nl = notice.find('\n');

@@ -184,6 +184,7 @@ void Exchange::wait(std::size_t id) {
           break;
         }
         check_calls(id);
+        if (ctx_.poll != nullptr) poll_caller();
         left = remaining();
         if (left <= kCheckEvery) break;
       }

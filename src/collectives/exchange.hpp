@@ -123,6 +123,8 @@ class Exchange {
   // `id`.
   void check_calls(std::size_t id);
   [[noreturn]] void mismatch(int peer);
+  // Context::poll; tells the other ranks if it throws (and rethrows).
+  void poll_caller();
   [[noreturn]] void noticed(int peer, const std::string& notice);
   // Sends this rank's notice about the call (once) to every other rank.
   void notify(char kind, const std::string& reason);

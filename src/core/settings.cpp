@@ -47,6 +47,10 @@ const std::vector<Setting>& settings_table() {
        "and "
        "reductions by ATen) instead of commux's own kernels; a check of that code without a GPU, "
        "1.03-1.35x slower here (bench/experiments/aten_reduce_ab.py)"},
+      {"COMMUX_CALLER_RUNS", "bool", "on", kPerComm,
+       "the torch backend's Work.wait() on a CPU collective that has not started runs it (and any "
+       "of its group queued before it) on the waiting thread, with no hand-off to the group's "
+       "collective thread; off: the collective thread runs every collective"},
       {"COMMUX_ALGO_ALLREDUCE", "name", "auto", kOnce,
        "forces the allreduce algorithm (see docs/collectives.md); auto: the selector chooses"},
       {"COMMUX_ALGO_BROADCAST", "name", "auto", kOnce, "forces the broadcast algorithm"},
@@ -148,6 +152,7 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       else if (name == "COMMUX_GROUP") out.group = b;
       else if (name == "COMMUX_UCX_DEFAULTS") out.ucx_defaults = b;
       else if (name == "COMMUX_ATEN_REDUCE") out.aten_reduce = b;
+      else if (name == "COMMUX_CALLER_RUNS") out.caller_runs = b;
       else if (name == "COMMUX_EP_ATEN") out.ep_aten = b;
       else if (name == "COMMUX_BENCH") out.bench = b;
     } else if (std::strcmp(s.type, "int") == 0) {
