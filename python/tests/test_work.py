@@ -222,6 +222,45 @@ def test_many_async_collectives_in_flight(ranks, ws):
     ranks.run(_many_in_flight, timeout=60)
 
 
+def _random_waits(ctx):
+    """Async collectives with blocking ones between them, each rank waiting for the async ones in
+    its own random order (a wait may run the collective and every one queued before it on the
+    waiting thread, or find it running or done on the group's thread): every output is right."""
+    import random
+
+    W, me = ctx.world, ctx.rank
+    rng = random.Random(1000 * ctx.world + me)
+    n_checks = 0
+    for rnd in range(4):
+        works, checks = [], []
+        for i in range(10):
+            n = [1, 64, 5000][(rnd + i) % 3]  # equal on every rank
+            x = torch.full((n,), float(me + i))
+            works.append(dist.all_reduce(x, async_op=True))
+            checks.append((f"round {rnd} async all_reduce #{i}", x,
+                           torch.full((n,), float(sum(r + i for r in range(W))))))
+            if i % 4 == 3:
+                root = (rnd + i) % W
+                b = torch.full((9,), float(i)) if me == root else torch.zeros(9)
+                dist.broadcast(b, src=root)  # blocking, among async ones
+                checks.append((f"round {rnd} blocking broadcast #{i}", b, torch.full((9,), float(i))))
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 0.002)
+        order = list(range(len(works)))
+        rng.shuffle(order)
+        for k in order:
+            works[k].wait()
+        for what, got, want in checks:
+            check_equal(what, got, want)
+        n_checks += len(checks)
+    return n_checks
+
+
+@worlds()
+def test_async_collectives_waited_in_random_order_per_rank(ranks, ws):
+    ranks.run(_random_waits, timeout=60)
+
+
 # ---------------------------------------------------------------------------------------------
 def _async_with_p2p(ctx):
     """An async collective and blocking point-to-point in either order, on every rank: in round i

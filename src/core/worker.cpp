@@ -139,12 +139,17 @@ void Worker::progress_thread_main() {
       }
       next_check = Clock::now() + std::chrono::milliseconds(200);
     }
+    // (parked_ is set before spinners_ is read, so a spinner that stops after this read sees it
+    // and kicks.)
+    parked_.store(true);
     if (spinners_.load() > 0) {
       // A user thread is progressing: stay off the CPU until it stops (or 10 ms pass).
       wait_for_kick(std::chrono::milliseconds(10), -1);
+      parked_.store(false);
       idle = kMinIdle;
       continue;
     }
+    parked_.store(false);
     unsigned n = 0;
     bool busy = false;
     {
@@ -172,7 +177,7 @@ void Worker::progress_thread_main() {
     // Grow by 1/4 per idle poll: the interval stays about a fifth of the time since the last
     // activity, so a completion is noticed late by at most ~20% of the wait, and a long wait
     // settles at the cap (1 ms while work is in flight, 20 ms otherwise).
-    const auto cap = in_flight ? std::chrono::microseconds(1000) : std::chrono::microseconds(20000);
+    const auto cap = in_flight ? std::chrono::microseconds(2000) : std::chrono::microseconds(20000);
     idle = std::min(idle + idle / 4 + std::chrono::microseconds(1), cap);
     if (wait_for_kick(idle, -1)) idle = kMinIdle;
   }
@@ -205,8 +210,10 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   const YieldMode mode = yield_mode();
   const auto yield_from = mode == YieldMode::kAlways ? start : start + kYieldAfter;
   bool yield = mode == YieldMode::kAlways;
-  spinners_.fetch_add(1);
-  for (unsigned iter = 1; !op.done.load() && !op.abandoned.load(); ++iter) {
+  // spin < 0: the caller spun already (a wait in slices): straight to sleep, leaving the progress
+  // thread's backoff as it is.
+  if (spin.count() >= 0) spinners_.fetch_add(1);
+  for (unsigned iter = 1; spin.count() >= 0 && !op.done.load() && !op.abandoned.load(); ++iter) {
     unsigned n = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -219,18 +226,24 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
       yield = mode != YieldMode::kNever && now >= yield_from;
     }
   }
-  const int left = spinners_.fetch_sub(1) - 1;
+  const int left = spin.count() >= 0 ? spinners_.fetch_sub(1) - 1 : spinners_.load();
   if (op.done.load()) {
     // Hand background progress back to the progress thread at once if a transfer that needs it
     // is in flight. Small operations complete at the next progress call anyone makes, at the
     // latest the parked progress thread's own (within 10 ms): waking it for them cost a context
     // switch per wait where threads outnumber cores (4 ranks on 2 cores: 8 B barrier 36 us with
-    // the wake-up, 3.6 us without).
-    if (left == 0 && inflight_large_.load() > 0) kick();
+    // the wake-up, 3.6 us without). Nor is it woken for nothing: only if a large transfer is in
+    // flight, or a sleeping thread waits for it to progress while it stays off.
+    if (left == 0 && (inflight_large_.load() > 0 || (sleepers_.load() > 0 && parked_.load()))) {
+      kick();
+    }
     return true;
   }
   sleepers_.fetch_add(1);
-  kick();
+  // The progress thread completes what this thread sleeps on: wake it if it stayed off for a
+  // spinner (this one). One that is polling keeps its backoff (a kick would reset it to 5 us:
+  // a wait in 10 ms slices then cost thousands of polls a second).
+  if (left == 0 && parked_.load()) kick();
   {
     std::unique_lock<std::mutex> lock(done_mu_);
     done_cv_.wait_until(lock, deadline, [&] { return op.done.load() || op.abandoned.load(); });
