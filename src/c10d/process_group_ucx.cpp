@@ -314,7 +314,7 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target) {
     const auto interrupts = c10d_detail::interrupts_raised();
     caller_ran_.fetch_add(1, std::memory_order_relaxed);
     std::exception_ptr err = execute(*t);
-    const bool interrupted = c10d_detail::interrupts_raised() != interrupts;
+    const bool interrupted = err && c10d_detail::interrupts_raised() != interrupts;
     {
       std::lock_guard<std::mutex> lk(mu_);
       busy_ = false;
