@@ -354,13 +354,10 @@ std::chrono::milliseconds ProcessGroupUCX::Impl::effective(
   return op_timeout.count() > 0 ? op_timeout : timeout_;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(c10d::OpType type,
-                                                              const char* op_name,
-                                                              std::chrono::milliseconds op_timeout,
-                                                              bool async_op,
-                                                              std::vector<at::Tensor> keep_alive,
-                                                              std::vector<at::Tensor> outputs,
-                                                              Body body, std::uint32_t ntags) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
+    c10d::OpType type, const char* op_name, std::chrono::milliseconds op_timeout, bool async_op,
+    std::vector<at::Tensor> keep_alive, std::vector<at::Tensor> outputs, Body body,
+    std::uint32_t ntags) {
   auto t = std::make_shared<Task>();
   t->op_name = op_name;
   t->type = type;

@@ -185,7 +185,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   bool busy_ = false;                   // [mu_] a thread (pool or waiter) is running a task
   int waiters_in_ = 0;                  // [mu_] waiters admitted by enter(), not yet left
   bool caller_runs_ = true;             // COMMUX_CALLER_RUNS
-  std::atomic<std::uint64_t> caller_ran_{0};  // collectives run_through() ran
+  std::atomic<std::uint64_t> caller_ran_{0};       // collectives run_through() ran
   std::shared_ptr<c10d_detail::RunnerGate> gate_;  // shared with the Tasks
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;

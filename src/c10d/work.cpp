@@ -99,8 +99,9 @@ std::exception_ptr CollWork::exception() const {
 void CollWork::run_here() {
   TaskRunner* runner = nullptr;
   {
-    std::lock_guard<std::mutex> lk(task_->gate->mu);
-    if (task_->gate->runner != nullptr && task_->gate->runner->enter()) runner = task_->gate->runner;
+    RunnerGate& gate = *task_->gate;
+    std::lock_guard<std::mutex> lk(gate.mu);
+    if (gate.runner != nullptr && gate.runner->enter()) runner = gate.runner;
   }
   if (runner == nullptr) return;
   struct Leave {

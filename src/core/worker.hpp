@@ -139,8 +139,8 @@ class Worker {
   // progress thread at once only while one is in flight (wait()).
   static constexpr std::size_t kBackgroundBytes = 4096;
   std::atomic<int> inflight_large_{0};
-  std::atomic<int> spinners_{0};  // threads spinning in wait(): the progress thread stays off
-  std::atomic<int> sleepers_{0};  // threads sleeping in wait(): completions notify done_cv_
+  std::atomic<int> spinners_{0};     // threads spinning in wait(): the progress thread stays off
+  std::atomic<int> sleepers_{0};     // threads sleeping in wait(): completions notify done_cv_
   std::atomic<bool> parked_{false};  // the progress thread is staying off for a spinner
   std::atomic<YieldMode> yield_{YieldMode::kAfterSpin};
   std::mutex done_mu_;
