@@ -236,11 +236,7 @@ void ProcessGroupUCX::Impl::serve() {
         cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
         return;
       }
-      t = std::move(queue_.front());
-      queue_.pop_front();
-      queued_.fetch_sub(1, std::memory_order_release);
-      t->taken = true;
-      busy_ = true;
+      t = take_front_locked();
     }
     std::exception_ptr err = execute(*t);
     {
@@ -267,6 +263,15 @@ std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
   t.body = nullptr;
   t.keep_alive.clear();
   return err;
+}
+
+std::shared_ptr<Task> ProcessGroupUCX::Impl::take_front_locked() {
+  std::shared_ptr<Task> t = std::move(queue_.front());
+  queue_.pop_front();
+  queued_.fetch_sub(1, std::memory_order_release);
+  t->taken = true;
+  busy_ = true;
+  return t;
 }
 
 bool ProcessGroupUCX::Impl::needs_server_locked() {
@@ -305,11 +310,7 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target) {
           !queue_.front()->device.is_cpu()) {
         return;
       }
-      t = std::move(queue_.front());
-      queue_.pop_front();
-      queued_.fetch_sub(1, std::memory_order_release);
-      t->taken = true;
-      busy_ = true;
+      t = take_front_locked();
     }
     const auto interrupts = c10d_detail::interrupts_raised();
     caller_ran_.fetch_add(1, std::memory_order_relaxed);

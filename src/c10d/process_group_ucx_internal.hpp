@@ -167,6 +167,8 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // [mu_] The queue has tasks nobody is running or will run: marks the group served; the caller
   // then submits it to the pool (after unlocking).
   bool needs_server_locked();
+  // [mu_] Takes the queue's first task to run it on this thread (marks the group busy).
+  std::shared_ptr<c10d_detail::Task> take_front_locked();
   std::string where() const;
 
   int rank_;
