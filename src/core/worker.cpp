@@ -176,7 +176,7 @@ void Worker::progress_thread_main() {
     }
     // Grow by 1/4 per idle poll: the interval stays about a fifth of the time since the last
     // activity, so a completion is noticed late by at most ~20% of the wait, and a long wait
-    // settles at the cap (1 ms while work is in flight, 20 ms otherwise).
+    // settles at the cap (2 ms while work is in flight, 20 ms otherwise).
     const auto cap = in_flight ? std::chrono::microseconds(2000) : std::chrono::microseconds(20000);
     idle = std::min(idle + idle / 4 + std::chrono::microseconds(1), cap);
     if (wait_for_kick(idle, -1)) idle = kMinIdle;
