@@ -3,13 +3,15 @@
 blocking ones, for "ucx" and "gloo" in the same launch.
 
     .venv/bin/python bench/experiments/async_overlap.py [--ranks 2] [--count 8] [--kib 64]
-                                                        [--rounds 50]
+                                                        [--rounds 50] [--inflight 2]
 
 Each round runs, per backend (alternating which goes first), K blocking all_reduce calls of
 --kib KiB float32, then K all_reduce(async_op=True) calls followed by K wait()s; a round's time is
 the slowest rank's (a barrier on a third, gloo, group before each). Every result is checked
 (integer-valued inputs, exact sums). Prints the median over rounds and async/blocking per backend;
-issue 14 asks that async < blocking (the overlap is real). UCX_NET_DEVICES=lo unless set.
+issue 14 asks that async < blocking (the overlap is real). --inflight 1,2,4 adds a "ucx" group
+per COMMUX_INFLIGHT value (collectives of one group run at once), all in the same launch.
+UCX_NET_DEVICES=lo unless set.
 """
 import argparse
 import os
@@ -28,7 +30,12 @@ def run_rank(job):
     import commux  # noqa: F401  (registers "ucx")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
-    groups = {"ucx": dist.new_group(backend="ucx"), "gloo": dist.new_group(backend="gloo")}
+    groups = {}
+    for n_in in job["inflight"]:
+        os.environ["COMMUX_INFLIGHT"] = str(n_in)  # read when the group is created
+        groups[f"ucx inflight={n_in}"] = dist.new_group(backend="ucx")
+    os.environ.pop("COMMUX_INFLIGHT", None)
+    groups["gloo"] = dist.new_group(backend="gloo")
     me, world = dist.get_rank(), dist.get_world_size()
     n = job["kib"] * 256
     k = job["count"]
@@ -64,30 +71,36 @@ def main():
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--kib", type=int, default=64)
     p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--inflight", default="2", help="COMMUX_INFLIGHT values, one ucx group each")
     a = p.parse_args()
+    inflight = [int(v) for v in a.inflight.split(",")]
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "env": {}}
+    job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "inflight": inflight, "env": {}}
     results, errors = launch_ranks(a.ranks, run_rank, job, 600, "async overlap")
     for e in errors:
         print(f"async_overlap: {e}", file=sys.stderr)
     if errors or len(results) != a.ranks:
         return 1
-    print(f"{a.count} all_reduces of {a.kib} KiB on {a.ranks} ranks, median of {a.rounds} rounds "
+    return report(results, a.count, a.kib, a.ranks, a.rounds, inflight)
+
+
+def report(results, count, kib, ranks, rounds, inflight, where=""):
+    """Prints the table of run_rank's results (rank -> dict); 1 if any element was wrong."""
+    print(f"{count} all_reduces of {kib} KiB on {ranks} ranks{where}, median of {rounds} rounds "
           "(each the slowest rank's)")
     print("| backend | blocking µs | async µs | async / blocking |")
     print("|---|---:|---:|---:|")
-    for backend in ("ucx", "gloo"):
+    for backend in [f"ucx inflight={n}" for n in inflight] + ["gloo"]:
         per = {}
         for mode in ("blocking", "async"):
             slowest = [max(results[r]["times"][backend][mode][i] for r in results)
-                       for i in range(a.rounds)]
+                       for i in range(rounds)]
             per[mode] = statistics.median(slowest) * 1e6
         print(f"| {backend} | {per['blocking']:.1f} | {per['async']:.1f} | "
               f"{per['async'] / per['blocking']:.2f} |")
     wrong = sum(r["wrong"] for r in results.values())
     print(f"#wrong: {wrong}")
     return 1 if wrong else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

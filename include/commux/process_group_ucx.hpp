@@ -58,6 +58,11 @@ class ProcessGroupUCX : public c10d::Backend {
   // Collectives that ran on the thread that issued or waited for them (COMMUX_CALLER_RUNS), not
   // on the group's collective thread.
   std::uint64_t caller_ran_calls() const;
+  // Collectives that started while another collective of the group was running
+  // (COMMUX_INFLIGHT).
+  std::uint64_t concurrent_calls() const;
+  // How many collectives of the group may run at once (COMMUX_INFLIGHT, auto resolved).
+  int inflight() const;
 
   // Sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper uses them): the number of
   // collectives this group has issued, equal on every rank that issued the same calls.

@@ -136,3 +136,15 @@ def test_info_never_prints_the_store_token():
     assert "hush-4711" not in r.stdout + r.stderr
     found = [ln for ln in r.stdout.splitlines() if ln.split()[:1] == ["COMMUX_STORE_TOKEN"]]
     assert found and found[0].split()[1] == "(set)", r.stdout
+
+
+def test_inflight_is_auto_or_a_count():
+    r = _run("import json; from commux import _C; print(json.dumps(_C.settings()['COMMUX_INFLIGHT']))")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"value": "auto", "text": "auto", "source": "default"}
+    for bad in ("0", "65", "two"):
+        r = _run("from commux import _C; _C.settings()", COMMUX_INFLIGHT=bad)
+        assert r.returncode != 0
+        assert f"commux settings: COMMUX_INFLIGHT='{bad}' is not" in r.stderr, r.stderr

@@ -225,24 +225,27 @@ def test_many_async_collectives_in_flight(ranks, ws):
 def _random_waits(ctx):
     """Async collectives with blocking ones between them, each rank waiting for the async ones in
     its own random order (a wait may run the collective and every one queued before it on the
-    waiting thread, or find it running or done on the group's thread): every output is right."""
+    waiting thread, or find it running or done on the group's thread), on the default group and
+    on one that runs up to four at once (COMMUX_INFLIGHT=4): every output is right."""
     import random
 
     W, me = ctx.world, ctx.rank
     rng = random.Random(1000 * ctx.world + me)
     n_checks = 0
-    for rnd in range(4):
+    g4 = _group_with("COMMUX_INFLIGHT", "4")  # up to four at once, whatever auto gives here
+    for rnd in range(8):
+        group = None if rnd % 2 == 0 else g4
         works, checks = [], []
         for i in range(10):
             n = [1, 64, 5000][(rnd + i) % 3]  # equal on every rank
             x = torch.full((n,), float(me + i))
-            works.append(dist.all_reduce(x, async_op=True))
+            works.append(dist.all_reduce(x, async_op=True, group=group))
             checks.append((f"round {rnd} async all_reduce #{i}", x,
                            torch.full((n,), float(sum(r + i for r in range(W))))))
             if i % 4 == 3:
                 root = (rnd + i) % W
                 b = torch.full((9,), float(i)) if me == root else torch.zeros(9)
-                dist.broadcast(b, src=root)  # blocking, among async ones
+                dist.broadcast(b, src=root, group=group)  # blocking, among async ones
                 checks.append((f"round {rnd} blocking broadcast #{i}", b, torch.full((9,), float(i))))
             if rng.random() < 0.3:
                 time.sleep(rng.random() * 0.002)
@@ -307,18 +310,19 @@ def test_async_collective_with_p2p_in_both_orders(ranks, ws):
 # ---------------------------------------------------------------------------------------------
 def _shutdown_in_flight(ctx):
     """A group shut down while collectives are in flight on it: rank 0 issues five async
-    collectives on a new group that no other rank joins, then destroys the group. Every Work fails
+    collectives on a new group (up to three at once) that no other rank joins, then destroys the
+    group. Every Work fails
     within seconds with an error saying the group was shut down (never a hang, never a success),
     and the default group goes on giving right results."""
     W, me = ctx.world, ctx.rank
-    g = dist.new_group(list(range(W)))
+    g = _group_with("COMMUX_INFLIGHT", "3")  # three running, two queued
     dist.barrier(group=ctx.ref)
     works = []
     if me == 0:
         for i in range(4):
             works.append((f"all_reduce #{i}", dist.all_reduce(torch.ones(1000 + i), async_op=True, group=g)))
         works.append(("broadcast", dist.broadcast(torch.ones(77), src=0, async_op=True, group=g)))
-        time.sleep(0.2)  # the first one is running, the rest queued
+        time.sleep(0.2)  # the first three are running (COMMUX_INFLIGHT=3), the rest queued
     t0 = time.monotonic()
     dist.destroy_process_group(g)
     for what, w in works:
@@ -417,6 +421,15 @@ def _backend(group=None):
     return g._get_backend(torch.device("cpu"))
 
 
+def _group_with(var, value):
+    """A new group of every rank created with the environment variable `var` set to `value`."""
+    os.environ[var] = value
+    try:
+        return dist.new_group(list(range(dist.get_world_size())))
+    finally:
+        del os.environ[var]
+
+
 def _caller_runs(ctx):
     """COMMUX_CALLER_RUNS (on by default): a blocking collective with nothing of its group queued
     before it runs on the calling thread (torch may get a completed Work back), so every one of
@@ -450,11 +463,7 @@ def _caller_runs(ctx):
         w.wait()
     for what, got, want in checks:
         check_equal(what, got, want)
-    os.environ["COMMUX_CALLER_RUNS"] = "0"
-    try:
-        g = dist.new_group(list(range(W)))
-    finally:
-        del os.environ["COMMUX_CALLER_RUNS"]
+    g = _group_with("COMMUX_CALLER_RUNS", "0")
     off = _backend(g)
     for i in range(10):
         x = torch.full((5,), float(me + 1))
@@ -469,3 +478,93 @@ def test_blocking_collectives_run_on_the_calling_thread(ranks, ws):
     for r in ranks.run(_caller_runs, timeout=60):
         assert r["blocking"] == 80, r  # 40 all_reduces and 40 barriers
         assert r["off"] == 0, r
+
+
+# ---------------------------------------------------------------------------------------------
+def _inflight_round(ctx, be, issue, late=0.4):
+    """Runs `issue()` (which issues async collectives and returns their Works) on every rank while
+    the last rank starts `late` seconds after the others, so that on the early ranks the first
+    collective is still waiting for it while the rest are issued; waits for them all. Returns how
+    many of them started beside another collective of the group (concurrent_calls)."""
+    dist.barrier()
+    if ctx.rank == ctx.world - 1:
+        time.sleep(late)
+    before = be.concurrent_calls
+    for w in issue():
+        w.wait()
+    return be.concurrent_calls - before
+
+
+def _inflight(ctx):
+    """COMMUX_INFLIGHT: collectives of one group with disjoint tensors run beside each other; one
+    whose tensors overlap a running one's waits for it (so the results are those of issue order),
+    and a barrier runs alone. auto is 2, or 1 where the ranks outnumber the CPUs. Every result is
+    checked."""
+    W, me = ctx.world, ctx.rank
+    tri = float(W * (W + 1) // 2)
+    out = {"auto": _backend().inflight, "cpus": len(os.sched_getaffinity(0))}
+    g2 = _group_with("COMMUX_INFLIGHT", "2")
+    be = _backend(g2)
+    out["two"] = be.inflight
+
+    def all_reduce(t):
+        return dist.all_reduce(t, async_op=True, group=g2)
+
+    xs = [torch.full((1000 + i,), float(me + i)) for i in range(4)]
+    out["disjoint"] = _inflight_round(ctx, be, lambda: [all_reduce(x) for x in xs])
+    for i, x in enumerate(xs):
+        check_equal(f"disjoint all_reduce #{i}", x, torch.full((1000 + i,), float(sum(r + i for r in range(W)))))
+
+    # One tensor four times: each sums the previous one's result.
+    y = torch.full((1000,), float(me + 1))
+    out["same"] = _inflight_round(ctx, be, lambda: [all_reduce(y) for _ in range(4)])
+    check_equal("four all_reduces of one tensor", y, torch.full((1000,), tri * W ** 3))
+
+    # Overlapping views wait; halves of one tensor do not.
+    z = torch.full((1000,), float(me + 1))
+    out["overlap"] = _inflight_round(ctx, be, lambda: [
+        all_reduce(z[0:600]), all_reduce(z[400:1000]), all_reduce(z[550:560])])
+    want = torch.full((1000,), tri)
+    want[400:600] = tri * W
+    want[550:560] *= W
+    check_equal("all_reduces of overlapping views", z, want)
+    h = torch.full((1000,), float(me + 1))
+    out["halves"] = _inflight_round(ctx, be, lambda: [all_reduce(h[0:500]), all_reduce(h[500:1000])])
+    check_equal("all_reduces of two halves", h, torch.full((1000,), tri))
+
+    # allgather into `g`, then an all_reduce of what it gathered: the second reads the first's output.
+    g = torch.zeros(W * 50)
+    src = torch.full((50,), float(me + 1))
+    out["chain"] = _inflight_round(ctx, be, lambda: [
+        dist.all_gather_into_tensor(g, src, async_op=True, group=g2), all_reduce(g)])
+    check_equal("all_reduce of an all_gather's output",
+                g, torch.cat([torch.full((50,), float(W * (r + 1))) for r in range(W)]))
+
+    # A barrier starts when everything before it has finished, and nothing starts beside it.
+    a, b = torch.full((10,), float(me)), torch.full((10,), float(me))
+    out["barrier"] = _inflight_round(ctx, be, lambda: [
+        all_reduce(a), dist.barrier(async_op=True, group=g2), all_reduce(b)])
+    for what, t in (("all_reduce before a barrier", a), ("all_reduce after a barrier", b)):
+        check_equal(what, t, torch.full((10,), float(W * (W - 1) // 2)))
+
+    g1 = _group_with("COMMUX_INFLIGHT", "1")
+    ws_ = [torch.full((100,), float(me)) for _ in range(4)]
+    out["inflight1"] = _inflight_round(ctx, _backend(g1), lambda: [
+        dist.all_reduce(w, async_op=True, group=g1) for w in ws_])
+    for i, w in enumerate(ws_):
+        check_equal(f"all_reduce #{i} with COMMUX_INFLIGHT=1", w, torch.full((100,), float(W * (W - 1) // 2)))
+    return out
+
+
+@pytest.mark.ucx_semantics  # commux's counter
+@worlds(2, 3, 4)
+def test_collectives_of_one_group_run_beside_each_other(ranks, ws):
+    results = ranks.run(_inflight, timeout=90)
+    for rank, r in enumerate(results):
+        assert r["auto"] == (1 if len(results) > r["cpus"] else 2), (rank, r)
+        assert r["two"] == 2, (rank, r)
+        for key in ("same", "overlap", "chain", "barrier", "inflight1"):
+            assert r[key] == 0, (rank, key, r)
+        if rank < len(results) - 1:  # an early rank: its first collective waited for the late one
+            assert r["disjoint"] >= 1, (rank, r)
+            assert r["halves"] >= 1, (rank, r)

@@ -168,7 +168,13 @@ PYBIND11_MODULE(_C, m) {
                              "device through ATen (device tensors; CPU with COMMUX_ATEN_REDUCE=1)")
       .def_property_readonly("caller_ran_calls", &commux::ProcessGroupUCX::caller_ran_calls,
                              "collectives run on the thread that issued or waited for them "
-                             "(COMMUX_CALLER_RUNS), not on the group's collective thread");
+                             "(COMMUX_CALLER_RUNS), not on the group's collective thread")
+      .def_property_readonly("concurrent_calls", &commux::ProcessGroupUCX::concurrent_calls,
+                             "collectives that started while another collective of the group "
+                             "was running (COMMUX_INFLIGHT)")
+      .def_property_readonly("inflight", &commux::ProcessGroupUCX::inflight,
+                             "how many collectives of the group may run at once (COMMUX_INFLIGHT, "
+                             "auto resolved)");
 
   // commux.ep's row work (src/c10d/ep_kernels.hpp).
   m.def(

@@ -2,9 +2,10 @@
 // process (internal).
 //
 // A group holds a thread only while it has collectives queued: its first queued collective
-// submits it here, a thread takes it and runs its queue in order until the queue is empty, then
-// lets it go (so a group's collectives run one at a time, in issue order, as with a thread per
-// group). Groups with work at the same time each get a thread of their own: a submit that finds
+// submits it here, a thread takes it and runs its queue in order until the queue is empty (or its
+// first collective cannot start yet), then lets it go. A group whose next collective may run
+// beside the one just started (COMMUX_INFLIGHT) submits itself once more, so it holds up to that
+// many threads. Groups with work at the same time each get a thread of their own: a submit that finds
 // no idle thread starts one, so a collective blocked in one group (waiting for a peer that is
 // itself in another group's collective) never keeps another group's collectives from running.
 // A thread idle for kRetireAfter ends: groups with nothing queued cost no thread.
@@ -27,7 +28,7 @@ class CollectivePool {
   class Client {
    public:
     virtual ~Client() = default;
-    // Runs the client's queued collectives, in order, until none is left.
+    // Runs the client's queued collectives, in order, until none is left that may start.
     virtual void serve() = 0;
   };
   static constexpr std::chrono::milliseconds kRetireAfter{500};

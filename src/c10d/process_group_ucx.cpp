@@ -147,6 +147,12 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   const auto settings = commux::Settings::from_environment();  // read as the group is created
   aten_on_cpu_ = settings.aten_reduce;
   caller_runs_ = settings.caller_runs;
+  // COMMUX_INFLIGHT=auto: two at once (as Gloo's two threads per group), but one at a time where
+  // the group's ranks outnumber the CPUs (the communicator then yields from the first poll): a
+  // second running collective would only add a thread that takes the CPU from a peer.
+  const bool oversubscribed = settings.yield == commux::Settings::Yield::kAuto &&
+                              comm_->options().yield == commux::Options::Yield::kOn;
+  inflight_ = settings.inflight > 0 ? settings.inflight : (oversubscribed ? 1 : 2);
   gate_ = std::make_shared<c10d_detail::RunnerGate>();
   gate_->runner = this;
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
@@ -176,6 +182,12 @@ std::uint64_t ProcessGroupUCX::caller_ran_calls() const {
   return impl_->caller_ran_.load(std::memory_order_relaxed);
 }
 
+std::uint64_t ProcessGroupUCX::concurrent_calls() const {
+  return impl_->concurrent_.load(std::memory_order_relaxed);
+}
+
+int ProcessGroupUCX::inflight() const { return impl_->inflight_; }
+
 std::string ProcessGroupUCX::Impl::where() const {
   return "group '" + group_name_ + "', rank " + std::to_string(getRank()) + " of " +
          std::to_string(getSize());
@@ -196,7 +208,7 @@ void ProcessGroupUCX::Impl::shutdown() {
   if (comm_) comm_->shutdown();
   {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return !serving_ && waiters_in_ == 0; });
+    cv_.wait(lk, [&] { return servers_ == 0 && waiters_in_ == 0; });
   }
   if (gate_) {
     std::lock_guard<std::mutex> lk(gate_->mu);
@@ -228,23 +240,29 @@ void ProcessGroupUCX::Impl::serve() {
         std::this_thread::yield();
       }
     }
+    bool more = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      // A waiter running one of the group's tasks submits the group again when it is done.
-      if (queue_.empty() || busy_) {
-        serving_ = false;  // the next enqueue submits this group again
+      // Whoever finishes a running task looks at the queue again (this loop, or a waiter's
+      // leave()), so a first task that cannot start yet is not left behind.
+      if (queue_.empty() || !can_start_locked(*queue_.front())) {
+        --servers_;        // the next enqueue or finished task submits this group again
         cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
         return;
       }
       t = take_front_locked();
+      ++servers_running_;
+      more = needs_server_locked();  // the next one may run beside it (COMMUX_INFLIGHT)
     }
+    if (more) c10d_detail::CollectivePool::instance().submit(this);
     std::exception_ptr err = execute(*t);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      busy_ = false;
+      --servers_running_;
+      ran_locked(*t);
     }
-    // Outside the group's lock and with no task marked running: a future callback that issues and
-    // waits for another collective of the group can run it.
+    // Outside the group's lock and no longer marked running: a future callback that issues and
+    // waits for another collective of the group can run it, even one that overlaps this one.
     t->finish(err);
   }
 }
@@ -270,13 +288,34 @@ std::shared_ptr<Task> ProcessGroupUCX::Impl::take_front_locked() {
   queue_.pop_front();
   queued_.fetch_sub(1, std::memory_order_release);
   t->taken = true;
-  busy_ = true;
+  if (!running_.empty()) concurrent_.fetch_add(1, std::memory_order_relaxed);
+  running_.push_back(t.get());
   return t;
 }
 
+void ProcessGroupUCX::Impl::ran_locked(const Task& t) {
+  running_.erase(std::find(running_.begin(), running_.end(), &t));
+}
+
+bool ProcessGroupUCX::Impl::can_start_locked(const Task& t) const {
+  if (running_.empty()) return true;
+  if (t.alone || static_cast<int>(running_.size()) >= inflight_) return false;
+  for (const Task* r : running_) {
+    if (r->alone) return false;
+    for (const auto& a : r->spans) {
+      for (const auto& b : t.spans) {
+        if (a.first < b.second && b.first < a.second) return false;
+      }
+    }
+  }
+  return true;
+}
+
 bool ProcessGroupUCX::Impl::needs_server_locked() {
-  if (queue_.empty() || serving_ || busy_ || stopping_) return false;
-  serving_ = true;
+  if (queue_.empty() || stopping_) return false;
+  if (servers_ > servers_running_) return false;  // a pool thread between tasks takes it
+  if (!can_start_locked(*queue_.front())) return false;
+  ++servers_;
   return true;
 }
 
@@ -306,8 +345,8 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target) {
     {
       std::lock_guard<std::mutex> lk(mu_);
       // Device collectives keep to the collective thread (they wait for the issuing stream there).
-      if (stopping_ || busy_ || target->taken || queue_.empty() ||
-          !queue_.front()->device.is_cpu()) {
+      if (stopping_ || target->taken || queue_.empty() || !queue_.front()->device.is_cpu() ||
+          !can_start_locked(*queue_.front())) {
         return;
       }
       t = take_front_locked();
@@ -318,7 +357,7 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target) {
     const bool interrupted = err && c10d_detail::interrupts_raised() != interrupts;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      busy_ = false;
+      ran_locked(*t);
     }
     if (interrupted) {
       // Ctrl-C stopped this collective (Context::poll): the other ranks were told; the Work fails
@@ -379,6 +418,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     all.insert(all.end(), t->keep_alive.begin(), t->keep_alive.end());
     t->fence = StreamFence(all);
   }
+  // Which collectives it may run beside (COMMUX_INFLIGHT): the memory of its tensors.
+  t->alone = type == c10d::OpType::BARRIER || !t->device.is_cpu() || aten_on_cpu_ ||
+             (t->outputs.empty() && t->keep_alive.empty());
+  for (const auto* list : {&t->outputs, &t->keep_alive}) {
+    for (const auto& x : *list) {
+      if (!x.defined() || x.numel() == 0) continue;
+      if (x.layout() != c10::kStrided || !x.device().is_cpu()) {
+        t->alone = true;
+        continue;
+      }
+      t->spans.push_back(c10d_detail::byte_span(x));
+    }
+  }
   // Only a short collective's waiter polls for the result; a long one would take CPU from the
   // worker and the peers for nothing.
   std::size_t bytes = 0;
@@ -400,10 +452,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     if (caller_runs_) t->gate = gate_;
     queue_.push_back(t);
     queued_.fetch_add(1, std::memory_order_release);
-    // Not while a waiter runs the group's tasks (it submits when it is done), nor for a call
-    // this thread runs now.
-    // (A collective thread serving the group but not running a task finds the queue empty.)
-    here = !async_op && caller_runs_ && t->device.is_cpu() && !busy_ && queue_.size() == 1;
+    // A blocking call with nothing queued before it that may start now (beside what runs, up to
+    // COMMUX_INFLIGHT) runs here; else a pool thread takes it, unless one between tasks will, or
+    // it cannot start yet (whoever finishes a running task looks again).
+    here = !async_op && caller_runs_ && t->device.is_cpu() && queue_.size() == 1 &&
+           can_start_locked(*t);
     if (here) ++waiters_in_;  // enter()
     submit = !here && needs_server_locked();
   }

@@ -3,8 +3,9 @@
 //
 // ProcessGroupUCX's c10d::Backend overrides forward to the Impl methods of the same name (one
 // pointer indirection per call); the Impl does the work: validation (tensor_checks.hpp), posting
-// point-to-point on the caller's thread, queueing collectives, which a thread of the process's
-// CollectivePool (pool.hpp) runs in order while the queue is not empty.
+// point-to-point on the caller's thread, queueing collectives, which threads of the process's
+// CollectivePool (pool.hpp) or a waiting caller start in issue order, up to COMMUX_INFLIGHT of
+// them at once when their tensors do not overlap (can_start_locked).
 //
 // Who owns what: the Impl owns the Communicator, its queue of Tasks (and their tensors), the
 // in-flight p2p Works (and their tensors) until their requests complete, the FutureWatcher
@@ -164,11 +165,17 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // Runs a task taken from the queue (the flight record, the dead calls' messages, the body);
   // what it threw, after the record. Does not finish the task.
   std::exception_ptr execute(c10d_detail::Task& t);
-  // [mu_] The queue has tasks nobody is running or will run: marks the group served; the caller
-  // then submits it to the pool (after unlocking).
+  // [mu_] The queue's first task can start now and no pool thread is free to take it: counts one
+  // more server; the caller then submits the group to the pool (after unlocking).
   bool needs_server_locked();
-  // [mu_] Takes the queue's first task to run it on this thread (marks the group busy).
+  // [mu_] Whether `t` may start beside the running tasks (COMMUX_INFLIGHT): always when none
+  // runs; else when fewer than inflight_ run, neither it nor any of them runs alone and its
+  // tensors overlap none of theirs.
+  bool can_start_locked(const c10d_detail::Task& t) const;
+  // [mu_] Takes the queue's first task to run it on this thread (counts it running).
   std::shared_ptr<c10d_detail::Task> take_front_locked();
+  // [mu_] A task taken by take_front_locked() has run.
+  void ran_locked(const c10d_detail::Task& t);
   std::string where() const;
 
   int rank_;
@@ -179,15 +186,18 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::unique_ptr<Communicator> comm_;
 
   std::mutex mu_;
-  std::condition_variable cv_;  // shutdown() waits on it for serving_ to clear
+  std::condition_variable cv_;  // shutdown() waits on it for servers_ and waiters_in_ to clear
   std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
   std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the pool thread's lock-free polling
   std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before letting go
-  bool serving_ = false;                // [mu_] submitted to the pool, until serve() lets go
-  bool busy_ = false;                   // [mu_] a thread (pool or waiter) is running a task
-  int waiters_in_ = 0;                  // [mu_] waiters admitted by enter(), not yet left
-  bool caller_runs_ = true;             // COMMUX_CALLER_RUNS
-  std::atomic<std::uint64_t> caller_ran_{0};       // collectives run_through() ran
+  int servers_ = 0;          // [mu_] pool threads submitted for the group, until serve() lets go
+  int servers_running_ = 0;  // [mu_] those of them running a task now
+  std::vector<const c10d_detail::Task*> running_;  // [mu_] taken, not yet run (pool or waiter)
+  int inflight_ = 2;                               // COMMUX_INFLIGHT
+  std::atomic<std::uint64_t> concurrent_{0};       // tasks started beside another
+  int waiters_in_ = 0;                        // [mu_] waiters admitted by enter(), not yet left
+  bool caller_runs_ = true;                   // COMMUX_CALLER_RUNS
+  std::atomic<std::uint64_t> caller_ran_{0};  // collectives run_through() ran
   std::shared_ptr<c10d_detail::RunnerGate> gate_;  // shared with the Tasks
   bool stopping_ = false;
   std::uint32_t next_tag_ = 0;

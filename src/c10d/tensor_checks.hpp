@@ -13,12 +13,26 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace commux::c10d_detail {
 
 // A contiguous tensor's size in bytes.
 inline std::size_t nbytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
+
+// The bytes [first, second) a dense tensor with at least one element can touch: from its first
+// element to one past its last (strides are never negative in torch).
+inline std::pair<std::uintptr_t, std::uintptr_t> byte_span(const at::Tensor& t) {
+  const auto elem = static_cast<std::uintptr_t>(t.element_size());
+  std::uintptr_t span = elem;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    span += static_cast<std::uintptr_t>(t.size(d) - 1) * static_cast<std::uintptr_t>(t.stride(d)) *
+            elem;
+  }
+  const auto first = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  return {first, first + span};
+}
 
 // Defined, dense (strided), contiguous, on a device commux (and its UCX) can carry.
 void check_tensor(const char* op, const at::Tensor& t, const char* what = "tensor");

@@ -28,6 +28,7 @@
 #include <mutex>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commux/communicator.hpp"
@@ -74,9 +75,9 @@ class TaskRunner {
   virtual bool enter() = 0;
   virtual void leave() = 0;
   // Runs the group's queued collectives on this thread, in order, up to and including `t`, each
-  // only while no other thread runs one of the group's; returns as soon as it cannot (`t` already
-  // taken, another thread running the group's collectives, a device collective first, the group
-  // shutting down), leaving the rest to the collective thread. An interrupt (Ctrl-C) stops the
+  // only when it may start beside those other threads run (COMMUX_INFLIGHT); returns as soon as it
+  // cannot (`t` already taken, the first queued one unable to start yet, a device collective
+  // first, the group shutting down), leaving the rest to the collective threads. An interrupt (Ctrl-C) stops the
   // collective it ran: its Task fails as canceled, and the interrupt propagates.
   virtual void run_through(const std::shared_ptr<Task>& t) = 0;
 };
@@ -111,6 +112,11 @@ struct Task {
   // taken it from the group's queue to run it (guarded by the group's lock).
   std::shared_ptr<RunnerGate> gate;
   bool taken = false;
+  // What decides whether it may run beside the group's other running collectives
+  // (COMMUX_INFLIGHT): the byte ranges [first, second) of its tensors, and whether it must run
+  // alone (a barrier, a device or sparse collective, one without tensors).
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;
+  bool alone = false;
 
   void finish(std::exception_ptr e);
 };

@@ -51,6 +51,11 @@ const std::vector<Setting>& settings_table() {
        "the torch backend's Work.wait() on a CPU collective that has not started runs it (and any "
        "of its group queued before it) on the waiting thread, with no hand-off to the group's "
        "collective thread; off: the collective thread runs every collective"},
+      {"COMMUX_INFLIGHT", "auto/int", "auto", kPerComm,
+       "the torch backend runs up to this many CPU collectives of one group at once (each on its "
+       "own thread), started in issue order; one whose tensors overlap a running one's waits for "
+       "it, and a barrier, a device collective or a sparse one runs alone; auto: 2, or 1 when the "
+       "group's ranks on this host outnumber the CPUs of the process's affinity mask"},
       {"COMMUX_ALGO_ALLREDUCE", "name", "auto", kOnce,
        "forces the allreduce algorithm (see docs/collectives.md); auto: the selector chooses"},
       {"COMMUX_ALGO_BROADCAST", "name", "auto", kOnce, "forces the broadcast algorithm"},
@@ -165,6 +170,12 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       else if (name == "COMMUX_BENCH_BYTES") out.bench_bytes = n;
       else if (name == "COMMUX_BENCH_ITERS") out.bench_iters = n;
       else if (name == "COMMUX_TEST_TIMEOUT_S") out.test_timeout_s = n;
+    } else if (name == "COMMUX_INFLIGHT") {
+      if (text != "auto") {
+        const long n = parse_int(s, text);
+        if (n < 1 || n > 64) bad(s, text, "auto or an integer from 1 to 64");
+        out.inflight = static_cast<int>(n);
+      }
     } else if (name == "COMMUX_WAKEUP") {
       out.wakeup = parse_mode<Wakeup>(s, text);
     } else if (name == "COMMUX_YIELD") {
