@@ -13,7 +13,8 @@
 #   fuzz         libFuzzer (clang, ASan + UBSan) over the TcpStore request parser and the tag decoder,
 #                30 s each from tests/fuzz/corpus/<target>/; any crash or report fails
 #   bench        a smoke run of the C++ benchmark (correctness only; timings not judged)
-#   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests
+#   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests,
+#                then the Work, collectives and DDP suites again with COMMUX_INFLIGHT=4
 #   wheel        the wheel as users install it (python/tests/wheel): `pip wheel .` (incremental, in
 #                the python stage's build directory) and the bundled wheel (COMMUX_UCX_PROVIDER=
 #                bundled), installed in turn into one fresh venv holding only torch: commux.info,
@@ -140,6 +141,10 @@ stage_python() {
   [ -x build/bench/commux_coll_bench ] && [ -x build/bench/mpi_coll ] ||
     scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel
   run_pytest .venv/bin/python python/tests
+  # Again with up to four collectives of a group at once wherever the tests issue async ones (auto
+  # gives 1 on this machine's 3- and 4-rank groups): the Work, collectives and DDP suites.
+  COMMUX_INFLIGHT=4 run_pytest .venv/bin/python python/tests/test_work.py \
+    python/tests/test_collectives.py python/tests/test_ddp.py python/tests/test_group_window.py
 }
 
 stage_wheel() {
