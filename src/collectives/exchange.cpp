@@ -3,6 +3,7 @@
 #include "../core/channel.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -70,6 +71,9 @@ Pool& pool() {
 struct ParkingLot {
   std::mutex mu;
   std::vector<Parked> lots;
+  // = !lots.empty() (written under mu): a collective's start reads it without the lock; one that
+  // misses a request parked at that moment reaps it at the next start.
+  std::atomic<bool> any{false};
 };
 
 ParkingLot& parking() {
@@ -79,14 +83,15 @@ ParkingLot& parking() {
 
 void reap_parked() {
   ParkingLot& p = parking();
+  if (!p.any.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> g(p.mu);
-  if (p.lots.empty()) return;
   p.lots.erase(std::remove_if(p.lots.begin(), p.lots.end(),
                               [](const Parked& x) {
                                 return std::all_of(x.reqs.begin(), x.reqs.end(),
                                                    [](const Request& r) { return r.done(); });
                               }),
                p.lots.end());
+  p.any.store(!p.lots.empty(), std::memory_order_release);
 }
 
 }  // namespace
@@ -96,6 +101,7 @@ void park(Request request, std::unique_ptr<char[]> data) {
   ParkingLot& p = parking();
   std::lock_guard<std::mutex> g(p.mu);
   p.lots.emplace_back();
+  p.any.store(true, std::memory_order_release);
   p.lots.back().reqs.push_back(std::move(request));
   p.lots.back().scratch.push_back(std::move(data));
 }
@@ -121,6 +127,7 @@ Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
     deadline_ = ctx.deadline;
   }
   wire_ = call_wire_tag(ctx_.tag, 0);  // until identify()
+  reqs_.reserve(kInlineRequests);
   reap_parked();
   if (ctx_.device != nullptr) ctx_.device->synchronize();  // the caller's device work on inputs
 }
@@ -195,14 +202,27 @@ void Exchange::wait(std::size_t id) {
     rethrow(e);
   }
   // Requests before first_open_ are complete and were waited for (their errors seen).
-  waited_.resize(reqs_.size(), false);
-  waited_[id] = true;
-  while (first_open_ < reqs_.size() && waited_[first_open_]) ++first_open_;
+  set_waited(id);
+  while (first_open_ < reqs_.size() && waited(first_open_)) ++first_open_;
+}
+
+bool Exchange::waited(std::size_t id) const {
+  if (id < 64) return (waited_low_ >> id & 1u) != 0;
+  return id - 64 < waited_.size() && waited_[id - 64];
+}
+
+void Exchange::set_waited(std::size_t id) {
+  if (id < 64) {
+    waited_low_ |= std::uint64_t{1} << id;
+    return;
+  }
+  if (waited_.size() <= id - 64) waited_.resize(id - 63, false);
+  waited_[id - 64] = true;
 }
 
 void Exchange::wait_all() {
   for (std::size_t i = first_open_; i < reqs_.size(); ++i) {
-    if (i < waited_.size() && waited_[i]) continue;
+    if (waited(i)) continue;
     wait(i);
   }
 }
@@ -311,6 +331,7 @@ void Exchange::abort() noexcept {
     ParkingLot& p = parking();
     std::lock_guard<std::mutex> g(p.mu);
     p.lots.emplace_back();  // what may throw comes before anything is moved
+    p.any.store(true, std::memory_order_release);
     Parked& parked = p.lots.back();
     parked.scratch.reserve(scratch_.size());
     parked.reqs = std::move(stuck);

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -142,8 +143,15 @@ class Exchange {
   int size_;
   Clock::time_point deadline_;
   const char* phase_ = nullptr;
+  // Most calls post a few requests: room for them is made at once (one allocation per call).
+  static constexpr std::size_t kInlineRequests = 8;
   std::vector<Request> reqs_;
-  std::vector<bool> waited_;    // waited for successfully (its outcome has been seen)
+  // Waited for successfully (its outcome has been seen): requests 0..63 in the bits of
+  // waited_low_ (no allocation), the rest in waited_ (index - 64).
+  bool waited(std::size_t id) const;
+  void set_waited(std::size_t id);
+  std::uint64_t waited_low_ = 0;
+  std::vector<bool> waited_;
   std::size_t first_open_ = 0;  // every request before this index has been waited for
   std::size_t stuck_ = 0;       // requests abort() had to park
   struct Scratch {

@@ -99,23 +99,25 @@ bool is_bitwise(ReduceOp op) {
 }  // namespace
 
 void check_reduction(const char* op_name, DataType t, ReduceOp op) {
-  const std::string prefix =
-      std::string("commux ") + (op_name != nullptr ? op_name : "reduce") + ": ";
+  // Built only for an error: this check runs in every reduction's call.
+  const auto prefix = [op_name] {
+    return std::string("commux ") + (op_name != nullptr ? op_name : "reduce") + ": ";
+  };
   if (!known_dtype(t)) {
     throw Error(Errc::kInvalidArgument,
-                prefix + "unknown DataType " + std::to_string(static_cast<int>(t)));
+                prefix() + "unknown DataType " + std::to_string(static_cast<int>(t)));
   }
   if (!known_op(op)) {
     throw Error(Errc::kInvalidArgument,
-                prefix + "unknown ReduceOp " + std::to_string(static_cast<int>(op)));
+                prefix() + "unknown ReduceOp " + std::to_string(static_cast<int>(op)));
   }
   if (is_complex(t) && (op == ReduceOp::kMin || op == ReduceOp::kMax)) {
-    throw Error(Errc::kInvalidArgument, prefix + "ReduceOp " + reduce_op_name(op) +
+    throw Error(Errc::kInvalidArgument, prefix() + "ReduceOp " + reduce_op_name(op) +
                                             " is not defined for " + dtype_name(t) +
                                             " (complex numbers have no order)");
   }
   if ((is_complex(t) || is_floating(t)) && is_bitwise(op)) {
-    throw Error(Errc::kInvalidArgument, prefix + "ReduceOp " + reduce_op_name(op) +
+    throw Error(Errc::kInvalidArgument, prefix() + "ReduceOp " + reduce_op_name(op) +
                                             " is not defined for " + dtype_name(t) +
                                             " (bitwise reductions need an integer or bool type)");
   }

@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <string>
@@ -56,7 +57,7 @@ std::string join(const std::vector<std::string>& v) {
 }
 
 bool is_auto(const char* name) {
-  return name == nullptr || *name == '\0' || std::string(name) == "auto";
+  return name == nullptr || *name == '\0' || std::strcmp(name, "auto") == 0;
 }
 
 Coll coll_of(const char* op) {
