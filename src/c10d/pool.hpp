@@ -5,9 +5,9 @@
 // submits it here, a thread takes it and runs its queue in order until the queue is empty (or its
 // first collective cannot start yet), then lets it go. A group whose next collective may run
 // beside the one just started (COMMUX_INFLIGHT) submits itself once more, so it holds up to that
-// many threads. Groups with work at the same time each get a thread of their own: a submit that finds
-// no idle thread starts one, so a collective blocked in one group (waiting for a peer that is
-// itself in another group's collective) never keeps another group's collectives from running.
+// many threads. Groups with work at the same time each get a thread of their own: a submit that
+// finds no idle thread starts one, so a collective blocked in one group (waiting for a peer that
+// is itself in another group's collective) never keeps another group's collectives from running.
 // A thread idle for kRetireAfter ends: groups with nothing queued cost no thread.
 //
 // Ownership: the pool (one per process, never destroyed) owns its threads (detached); it does

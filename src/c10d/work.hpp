@@ -77,8 +77,8 @@ class TaskRunner {
   // Runs the group's queued collectives on this thread, in order, up to and including `t`, each
   // only when it may start beside those other threads run (COMMUX_INFLIGHT); returns as soon as it
   // cannot (`t` already taken, the first queued one unable to start yet, a device collective
-  // first, the group shutting down), leaving the rest to the collective threads. An interrupt (Ctrl-C) stops the
-  // collective it ran: its Task fails as canceled, and the interrupt propagates.
+  // first, the group shutting down), leaving the rest to the collective threads. An interrupt
+  // (Ctrl-C) stops the collective it ran: its Task fails as canceled, and the interrupt propagates.
   virtual void run_through(const std::shared_ptr<Task>& t) = 0;
 };
 
