@@ -167,7 +167,8 @@ void Exchange::check_calls(std::size_t id) {
   if (chan_->probe(TagKind::kNotice, kAnySource, ctx_.tag, ~std::uint32_t{0}, &u)) {
     noticed(u.sender, take_notice(*chan_, u, ctx_.tag));
   }
-  const int peer = reqs_[id].valid() ? ::commux::detail::state_of(reqs_[id])->posted_peer() : -1;
+  const Request& r = reqs_[id].req;
+  const int peer = r.valid() ? ::commux::detail::state_of(r)->posted_peer() : -1;
   if (peer < 0 || peer == rank_) return;
   // From that peer only: its messages of this slot all belong to one call of its, whereas the
   // first of any sender's could be a message of this call that waits for a receive posted later.

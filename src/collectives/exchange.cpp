@@ -159,7 +159,7 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
   try {
     // Fast completion: the collectives wait for their sends at once; UCX applies it only to
     // messages below its eager threshold, large ones stay zero-copy rendezvous.
-    reqs_.push_back(chan_->post_send(&b, 1, peer, TagKind::kInternal, wire_, true));
+    reqs_.push_back(Posted{chan_->post_send(&b, 1, peer, TagKind::kInternal, wire_, true)});
   } catch (const Error& e) {
     rethrow(e);
   }
@@ -169,7 +169,7 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
 std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType mem) {
   const Buffer b{data, bytes, mem};
   try {
-    reqs_.push_back(chan_->post_recv(&b, 1, peer, TagKind::kInternal, wire_));
+    reqs_.push_back(Posted{chan_->post_recv(&b, 1, peer, TagKind::kInternal, wire_)});
   } catch (const Error& e) {
     rethrow(e);
   }
@@ -181,7 +181,7 @@ void Exchange::wait(std::size_t id) {
   // notice, or a message with this call's tag slot but another fingerprint). The first slice spins
   // as a plain wait does, so a collective that completes in time costs nothing more.
   // (One clock read on the way, as a plain wait: small collectives pay nothing measurable.)
-  ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id]);
+  ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
   try {
     auto left = remaining();
     if (st != nullptr && left > kFirstCheck) {
@@ -196,38 +196,24 @@ void Exchange::wait(std::size_t id) {
         if (left <= kCheckEvery) break;
       }
     }
-    reqs_[id].wait(left);
+    reqs_[id].req.wait(left);
   } catch (const Error& e) {
     if (e.code() == Errc::kCallMismatch) throw;  // check_calls has cleaned up and described it
     rethrow(e);
   }
   // Requests before first_open_ are complete and were waited for (their errors seen).
-  set_waited(id);
-  while (first_open_ < reqs_.size() && waited(first_open_)) ++first_open_;
-}
-
-bool Exchange::waited(std::size_t id) const {
-  if (id < 64) return (waited_low_ >> id & 1u) != 0;
-  return id - 64 < waited_.size() && waited_[id - 64];
-}
-
-void Exchange::set_waited(std::size_t id) {
-  if (id < 64) {
-    waited_low_ |= std::uint64_t{1} << id;
-    return;
-  }
-  if (waited_.size() <= id - 64) waited_.resize(id - 63, false);
-  waited_[id - 64] = true;
+  reqs_[id].waited = true;
+  while (first_open_ < reqs_.size() && reqs_[first_open_].waited) ++first_open_;
 }
 
 void Exchange::wait_all() {
   for (std::size_t i = first_open_; i < reqs_.size(); ++i) {
-    if (waited(i)) continue;
+    if (reqs_[i].waited) continue;
     wait(i);
   }
 }
 
-std::size_t Exchange::bytes(std::size_t id) const { return reqs_[id].bytes(); }
+std::size_t Exchange::bytes(std::size_t id) const { return reqs_[id].req.bytes(); }
 
 char* Exchange::scratch(std::size_t bytes) {
   if (ctx_.device != nullptr) {
@@ -302,7 +288,7 @@ void Exchange::rethrow(const Error& e) {
 void Exchange::abort() noexcept {
   bool any = false;
   for (std::size_t i = first_open_; i < reqs_.size(); ++i) {
-    Request& r = reqs_[i];
+    Request& r = reqs_[i].req;
     if (!r.valid() || r.done()) continue;
     any = true;
     try {
@@ -314,7 +300,7 @@ void Exchange::abort() noexcept {
   const auto bound = Clock::now() + kCancelBound;
   std::vector<Request> stuck;
   for (std::size_t i = first_open_; i < reqs_.size(); ++i) {
-    Request& r = reqs_[i];
+    Request& r = reqs_[i].req;
     if (!r.valid() || r.done()) continue;
     const auto left = bound - Clock::now();
     try {

@@ -143,15 +143,14 @@ class Exchange {
   int size_;
   Clock::time_point deadline_;
   const char* phase_ = nullptr;
-  // Most calls post a few requests: room for them is made at once (one allocation per call).
+  // Every request posted, and whether it was waited for successfully (its outcome has been seen).
+  // Most calls post a few: room for them is made at once (one allocation per call).
+  struct Posted {
+    Request req;
+    bool waited = false;
+  };
   static constexpr std::size_t kInlineRequests = 8;
-  std::vector<Request> reqs_;
-  // Waited for successfully (its outcome has been seen): requests 0..63 in the bits of
-  // waited_low_ (no allocation), the rest in waited_ (index - 64).
-  bool waited(std::size_t id) const;
-  void set_waited(std::size_t id);
-  std::uint64_t waited_low_ = 0;
-  std::vector<bool> waited_;
+  std::vector<Posted> reqs_;
   std::size_t first_open_ = 0;  // every request before this index has been waited for
   std::size_t stuck_ = 0;       // requests abort() had to park
   struct Scratch {
