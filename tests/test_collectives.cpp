@@ -915,6 +915,60 @@ TEST(Collectives, ConcurrentCollectivesWithDistinctTags) {
   });
 }
 
+// Schedules over UCX: 12 allreduces of each rank in flight at once, started on the rank's thread,
+// then driven to their ends by two threads of the rank at the same time (each resumes whichever
+// is ready; one thread at a time resumes a schedule), in different orders.
+TEST(Collectives, SchedulesInFlightDrivenFromTwoThreads) {
+  run_world(3, [](Rank& k) {
+    constexpr int kCalls = 12;
+    std::vector<std::vector<float>> bufs;
+    std::vector<coll::Context> ctxs(kCalls);
+    std::vector<std::unique_ptr<coll::Schedule>> ss;
+    for (int i = 0; i < kCalls; ++i) bufs.push_back(contribution(k.r() + i, 1000 + 997 * i));
+    for (int i = 0; i < kCalls; ++i) {
+      coll::Context& c = ctxs[static_cast<std::size_t>(i)];
+      c.comm = &k.comm;
+      c.tag = 100 + static_cast<std::uint32_t>(i);
+      c.deadline = Clock::now() + std::chrono::seconds(30);
+      c.op_name = "allreduce";
+      auto& v = bufs[static_cast<std::size_t>(i)];
+      ss.push_back(std::make_unique<coll::Schedule>([&c, &v] {
+        coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+      }));
+    }
+    auto driver = [&](bool reverse) {
+      for (;;) {
+        int left = 0;
+        for (int j = 0; j < kCalls; ++j) {
+          auto& s = *ss[static_cast<std::size_t>(reverse ? kCalls - 1 - j : j)];
+          if (!s.test()) ++left;
+        }
+        if (left == 0) return;
+        for (auto& s : ss) {
+          if (!s->done() && !s->ready()) {
+            s->await(std::chrono::milliseconds(1));
+            break;
+          }
+        }
+      }
+    };
+    std::thread other(driver, true);
+    driver(false);
+    other.join();
+    for (int i = 0; i < kCalls; ++i) {
+      const auto& v = bufs[static_cast<std::size_t>(i)];
+      if (ss[static_cast<std::size_t>(i)]->error())
+        std::rethrow_exception(ss[static_cast<std::size_t>(i)]->error());
+      std::vector<float> want(v.size(), 0.0f);
+      for (int p = 0; p < k.n(); ++p) {
+        const auto c = contribution(p + i, v.size());
+        for (std::size_t j = 0; j < want.size(); ++j) want[j] += c[j];
+      }
+      check_eq(v, want, "scheduled allreduce");
+    }
+  });
+}
+
 // ---- forked processes: failures ---------------------------------------------------------------
 
 namespace {

@@ -21,7 +21,9 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <numeric>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -234,55 +236,66 @@ void check_alltoallv(Caller& k, int salt) {
   expect_equal(out, want, k.label + " salt " + std::to_string(salt));
 }
 
-// Every algorithm of every collective, on this rank.
-void every_algorithm(Communicator& comm) {
-  Caller k{comm, nullptr, 1, {}};
-  const int n = k.n();
+// One algorithm of one collective and the checks that run it (the same list on every rank).
+struct Case {
+  std::string op;
+  std::string algorithm;
+  std::function<void(Caller&)> body;
+};
+
+std::vector<Case> every_case(int n) {
   const auto un = static_cast<std::size_t>(n);
-  auto each = [&](const char* op, const std::function<void()>& body) {
-    for (const std::string& name : coll::algorithms(op)) {
-      k.algorithm = name.c_str();
-      body();
-    }
-    k.algorithm = nullptr;
+  std::vector<Case> cases;
+  auto each = [&](const char* op, const std::function<void(Caller&)>& body) {
+    for (const std::string& name : coll::algorithms(op)) cases.push_back(Case{op, name, body});
   };
-  each("barrier", [&] { coll::barrier(k.ctx("barrier")); });
-  each("allreduce", [&] {
+  each("barrier", [](Caller& k) { coll::barrier(k.ctx("barrier")); });
+  each("allreduce", [un](Caller& k) {
     for (std::size_t count : {std::size_t{0}, std::size_t{1}, 2 * un + 3}) {
       check_allreduce<std::int32_t>(k, count, DataType::kInt32, ReduceOp::kSum, int_contrib());
     }
   });
-  each("reduce", [&] {
+  each("reduce", [n, un](Caller& k) {
     for (int root : roots_of(n)) check_reduce(k, un + 3, root);
   });
-  each("broadcast", [&] {
+  each("broadcast", [n, un](Caller& k) {
     for (int root : roots_of(n)) check_broadcast(k, un + 3, root);
     check_broadcast(k, 0, n - 1);
   });
-  each("allgather", [&] {
+  each("allgather", [n, un](Caller& k) {
     check_allgatherv(k, std::vector<std::size_t>(un, 3));
     std::vector<std::size_t> counts(un);
     for (int p = 0; p < n; ++p)
       counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 3) % 4);
     check_allgatherv(k, counts);
   });
-  each("gather", [&] {
+  each("gather", [n](Caller& k) {
     for (int root : roots_of(n)) check_gather_scatter(k, 5, root);
   });
-  each("scatter", [&] {
+  each("scatter", [n](Caller& k) {
     for (int root : roots_of(n)) check_gather_scatter(k, 5, root);
   });
-  each("reduce_scatter", [&] {
+  each("reduce_scatter", [n, un](Caller& k) {
     check_reduce_scatter(k, std::vector<std::size_t>(un, 2));
     std::vector<std::size_t> counts(un);
     for (int p = 0; p < n; ++p)
       counts[static_cast<std::size_t>(p)] = static_cast<std::size_t>((p * 5 + 1) % 4);
     check_reduce_scatter(k, counts);
   });
-  each("alltoall", [&] {
+  each("alltoall", [](Caller& k) {
     check_alltoallv(k, 0);
     check_alltoallv(k, 1);
   });
+  return cases;
+}
+
+// Every algorithm of every collective, on this rank, one after another.
+void every_algorithm(Communicator& comm) {
+  Caller k{comm, nullptr, 1, {}};
+  for (const Case& c : every_case(k.n())) {
+    k.algorithm = c.algorithm.c_str();
+    c.body(k);
+  }
 }
 
 // Fails the test with every rank's failure, a deadlock report or anything left unmatched.
@@ -308,6 +321,129 @@ std::vector<int> sizes_1_to_64() {
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Simulator, ::testing::ValuesIn(sizes_1_to_64()));
+
+// ---- schedules: every algorithm as a resumable coll::Schedule, all in flight at once -----------
+
+// Drives `ss` to their ends: each sweep resumes the ready ones in an order of its own (random,
+// differing between ranks); a sweep that leaves some not ready sleeps on one of them.
+void drive(const std::vector<std::unique_ptr<coll::Schedule>>& ss, std::mt19937& rng) {
+  std::vector<std::size_t> order(ss.size());
+  std::iota(order.begin(), order.end(), 0);
+  for (;;) {
+    std::shuffle(order.begin(), order.end(), rng);
+    std::size_t left = 0;
+    coll::Schedule* idle = nullptr;
+    for (std::size_t i : order) {
+      if (ss[i]->test()) continue;
+      ++left;
+      if (!ss[i]->ready()) idle = ss[i].get();
+    }
+    if (left == 0) return;
+    if (idle != nullptr) idle->await(std::chrono::milliseconds(1));
+  }
+}
+
+// Each rank starts every case as a schedule (each with tags of its own), in the same order on
+// every rank, then drives them all in a random order of its own; on odd ranks another thread
+// drives them, so every schedule starts on one thread and finishes on another.
+void every_algorithm_scheduled(Communicator& comm) {
+  const std::vector<Case> cases = every_case(comm.size());
+  std::vector<std::unique_ptr<Caller>> callers;
+  std::vector<std::unique_ptr<coll::Schedule>> ss;
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    callers.push_back(std::make_unique<Caller>(
+        Caller{comm, cases[i].algorithm.c_str(), static_cast<std::uint32_t>(1 + i * 1000), {}}));
+    Caller* k = callers.back().get();
+    const Case* c = &cases[i];
+    ss.push_back(std::make_unique<coll::Schedule>([k, c] { c->body(*k); }));
+  }
+  // In a rendezvous world no call of 2+ ranks can finish before its peers post: the constructor
+  // must have returned at the first wait (suspended), not blocked there.
+  const auto suspended =
+      std::count_if(ss.begin(), ss.end(), [](const auto& s) { return !s->done(); });
+  if (comm.size() > 1 && suspended == 0) fail("no schedule suspended at its first wait");
+  std::mt19937 rng(static_cast<unsigned>(comm.rank()) * 7919u + 1u);
+  if (comm.rank() % 2 == 1) {
+    std::exception_ptr err;
+    std::thread t([&] {
+      try {
+        drive(ss, rng);
+      } catch (...) {
+        err = std::current_exception();
+      }
+    });
+    t.join();
+    if (err) std::rethrow_exception(err);
+  } else {
+    drive(ss, rng);
+  }
+  for (std::size_t i = 0; i < ss.size(); ++i) {
+    if (ss[i]->error()) {
+      try {
+        std::rethrow_exception(ss[i]->error());
+      } catch (const std::exception& e) {
+        fail(cases[i].op + "[" + cases[i].algorithm + "] as a schedule: " + e.what());
+      }
+    }
+  }
+}
+
+class Schedules : public ::testing::TestWithParam<int> {};
+
+TEST_P(Schedules, EveryAlgorithmInFlightAtOnceCompletesCorrectly) {
+  LoopbackWorld w(GetParam(), LoopMode::kRendezvous);
+  expect_clean(w, w.run(every_algorithm_scheduled));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Schedules, ::testing::Range(1, 9));
+
+// A schedule keeps what its call threw (a size mismatch on every rank here) for error() and
+// wait(); a call whose peer never comes fails at its deadline, driven by wait().
+TEST(Schedules, FailuresAreKeptAndRethrown) {
+  LoopbackWorld w(2, LoopMode::kEager);
+  const auto errors = w.run([](Communicator& comm) {
+    coll::Context c;
+    c.comm = &comm;
+    c.tag = 5;
+    c.op_name = "allreduce";
+    c.deadline = Clock::now() + std::chrono::seconds(20);
+    std::vector<float> v(comm.rank() == 0 ? 4 : 6, 1.0f);
+    coll::Schedule s(
+        [&] { coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum); });
+    try {
+      s.wait(std::chrono::seconds(20));
+      fail("a size mismatch completed");
+    } catch (const Error& e) {
+      if (e.code() != Errc::kCallMismatch && e.code() != Errc::kTruncated)
+        fail(std::string("unexpected error: ") + e.what());
+    }
+    if (!s.done() || !s.error()) fail("done() / error() do not report the failure");
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+
+  LoopbackWorld late(2, LoopMode::kRendezvous);
+  const auto late_errors = late.run([](Communicator& comm) {
+    if (comm.rank() == 1) return;  // never joins
+    coll::Context c;
+    c.comm = &comm;
+    c.tag = 9;
+    c.op_name = "barrier";
+    c.deadline = Clock::now() + std::chrono::milliseconds(300);
+    const auto t0 = Clock::now();
+    coll::Schedule s([&] { coll::barrier(c); });
+    if (s.done()) fail("a barrier without its peer finished at once");
+    try {
+      s.wait(std::chrono::seconds(20));
+      fail("a barrier without its peer completed");
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("barrier") == std::string::npos)
+        fail(std::string("the error does not name the call: ") + e.what());
+    }
+    if (Clock::now() - t0 > std::chrono::seconds(10))
+      fail("the failure came long after the deadline");
+  });
+  for (const auto& e : late_errors) EXPECT_EQ(e, "");
+}
 
 // ---- the loopback channel itself ---------------------------------------------------------------
 

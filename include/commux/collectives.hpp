@@ -2,8 +2,8 @@
 //
 // Every function here is blocking: it posts internal (TagKind::kInternal) sends and receives with
 // the caller-chosen `Context::tag`, waits for them with `Context::deadline`, and returns when this
-// rank's part is complete. Callers that want asynchrony (the torch backend) run them on a worker
-// thread. All ranks must call the same collective, with the same tag and consistent arguments, in
+// rank's part is complete. Callers that want asynchrony run them as a Schedule (at the end): the
+// same call, suspended where it would wait and resumed by whichever thread drives it. All ranks must call the same collective, with the same tag and consistent arguments, in
 // the same order; distinct collectives in flight at once must use distinct tags.
 //
 // Failure: a timeout, a dead peer or inconsistent sizes throw commux::Error whose message starts
@@ -19,6 +19,9 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -192,6 +195,54 @@ void reduce_scatter(const Context& ctx, const void* in, void* out, const std::si
 void alltoallv(const Context& ctx, const void* in, const std::size_t* send_counts,
                const std::size_t* send_displs, void* out, const std::size_t* recv_counts,
                const std::size_t* recv_displs);
+
+// A collective call run as a resumable schedule: the non-blocking form of every function above
+// (MPI_Iallreduce and friends), and how the torch backend runs async collectives.
+//
+// The constructor runs `call` (any code that makes one or more of the blocking calls above) on
+// the calling thread until it has posted its first step and would wait for a request that is not
+// complete; instead of blocking, the call is suspended there and the constructor returns. Later
+// steps run when a thread resumes it (test(), wait(), or a driver that polls ready() and await()s
+// several schedules): from the point where it waited, on that thread, with its reductions and
+// copies. The call keeps its own stack, so every algorithm runs unchanged; its deadline, the
+// cross-rank call checks and Context::poll (on the resuming thread) work as in a blocking call.
+// Whatever the call throws is kept: error() once done() (rethrown by wait() and by test()).
+//
+// Threads: any thread may resume a schedule, one at a time (a test() that finds another thread
+// resuming it returns false at once). Distinct schedules in flight at once must use distinct
+// Context::tag values, as any collectives in flight at once. The destructor of a schedule that
+// is not done waits for it (bounded by its deadline). The call must not keep a pointer into a
+// thread_local variable across a collective call: it may come back on another thread.
+class Schedule {
+ public:
+  explicit Schedule(std::function<void()> call);
+  ~Schedule();
+  Schedule(const Schedule&) = delete;
+  Schedule& operator=(const Schedule&) = delete;
+
+  bool done() const noexcept;
+  // Not done, and what it waits for has finished, or its deadline or next check has come: a
+  // resume would run it on.
+  bool ready() const noexcept;
+  // Resumes it if ready() and no other thread is resuming it; returns done(). Rethrows what the
+  // call threw, once, when it finishes here.
+  bool test();
+  // Resumes it as often as needed until done or `timeout` has passed (sleeping on what it waits
+  // for meanwhile); true when done. Rethrows what the call threw.
+  bool wait(std::chrono::milliseconds timeout);
+  // Blocks until what it waits for finishes, its next check is due, or `max` has passed, without
+  // resuming it (a driver of several schedules sleeps on one of them this way).
+  void await(std::chrono::microseconds max) const noexcept;
+  // What the call threw, once done (nullptr: it returned).
+  std::exception_ptr error() const noexcept;
+  // Whether the calling code runs inside a schedule (e.g. to leave Context::poll unset there).
+  static bool running() noexcept;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace coll
 }  // namespace commux

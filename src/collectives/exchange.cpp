@@ -1,6 +1,7 @@
 #include "exchange.hpp"
 
 #include "../core/channel.hpp"
+#include "schedule.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -116,6 +117,11 @@ const char* op_or_default(const char* op) {
 
 Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
   ctx_.op_name = op_or_default(ctx.op_name);
+  // The caller's text may not outlive the call's first wait (a Schedule's caller goes on).
+  if (ctx.call_text != nullptr) {
+    call_text_ = ctx.call_text;
+    ctx_.call_text = call_text_.c_str();
+  }
   if (ctx.comm == nullptr) invalid(ctx_, "Context::comm is null");
   chan_ = &::commux::detail::channel(*ctx.comm);
   rank_ = chan_->rank();
@@ -183,6 +189,11 @@ void Exchange::wait(std::size_t id) {
   // (One clock read on the way, as a plain wait: small collectives pay nothing measurable.)
   ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
   try {
+    // Inside a Schedule: suspend instead of blocking, until the request finishes or the deadline
+    // passes (the blocking wait below then only reports it), making the same checks meanwhile.
+    if (st != nullptr && !st->finished()) {
+      if (Schedule::Impl* s = current_schedule()) suspend_for(s, id);
+    }
     auto left = remaining();
     if (st != nullptr && left > kFirstCheck) {
       for (bool first = true;; first = false) {
@@ -204,6 +215,21 @@ void Exchange::wait(std::size_t id) {
   // Requests before first_open_ are complete and were waited for (their errors seen).
   reqs_[id].waited = true;
   while (first_open_ < reqs_.size() && reqs_[first_open_].waited) ++first_open_;
+}
+
+void Exchange::suspend_for(Schedule::Impl* s, std::size_t id) {
+  ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
+  auto next = Clock::now() + kFirstCheck;
+  while (!st->test()) {  // one progress call: a small message may complete here
+    const auto now = Clock::now();
+    if (now >= deadline_) return;
+    if (now >= next) {
+      check_calls(id);
+      if (ctx_.poll != nullptr) poll_caller();
+      next = now + kCheckEvery;
+    }
+    suspend(s, reqs_[id].req, std::min(next, deadline_));
+  }
 }
 
 void Exchange::wait_all() {

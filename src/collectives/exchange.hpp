@@ -124,6 +124,9 @@ class Exchange {
   // `id`.
   void check_calls(std::size_t id);
   [[noreturn]] void mismatch(int peer);
+  // wait(id) inside Schedule `s`: suspends it until request `id` finishes or the deadline passes,
+  // with the cross-rank checks and Context::poll as a blocking wait makes them.
+  void suspend_for(Schedule::Impl* s, std::size_t id);
   // Context::poll; tells the other ranks if it throws (and rethrows).
   void poll_caller();
   [[noreturn]] void noticed(int peer, const std::string& notice);
@@ -135,6 +138,7 @@ class Exchange {
   std::string cleanup_note() const;
 
   Context ctx_;
+  std::string call_text_;  // ctx_.call_text points here
   ::commux::detail::Channel* chan_ = nullptr;
   CallId id_;
   std::uint32_t wire_ = 0;  // the user field of this call's tags

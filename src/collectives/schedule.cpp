@@ -1,0 +1,334 @@
+// coll::Schedule: a collective call on a stack of its own, suspended where it would wait (see
+// commux/collectives.hpp and schedule.hpp).
+//
+// Each schedule is a ucontext fiber: makecontext() on a stack from a small process-wide cache
+// (mmap'd with a guard page below it), swapcontext() into it to run or resume the call, and back
+// to the resuming thread when the call suspends (Exchange::wait, through suspend()) or returns.
+// A fiber may be resumed by a different thread each time; the sanitizers are told about every
+// switch (AddressSanitizer's fiber API, ThreadSanitizer's fibers), so the asan and tsan stages
+// check these paths too.
+//
+// Ownership: the Schedule owns its Impl, the Impl owns the call (and its captures, released
+// inside the fiber when it returns), the stack, and a copy of the Request it waits for. Locks:
+// `busy` lets one thread at a time resume it; `wmu` guards `waiting` (the fiber writes it just
+// before it suspends, drivers read it to sleep on it).
+#include "schedule.hpp"
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "commux/error.hpp"
+#include "../core/channel.hpp"
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define COMMUX_ASAN 1
+#endif
+#if __has_feature(thread_sanitizer)
+#define COMMUX_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define COMMUX_ASAN 1
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define COMMUX_TSAN 1
+#endif
+
+#ifdef COMMUX_ASAN
+extern "C" void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom,
+                                               std::size_t size);
+extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old,
+                                                std::size_t* size_old);
+#endif
+#ifdef COMMUX_TSAN
+extern "C" void* __tsan_get_current_fiber(void);
+extern "C" void* __tsan_create_fiber(unsigned flags);
+extern "C" void __tsan_destroy_fiber(void* fiber);
+extern "C" void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+#endif
+
+namespace commux::coll {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A call's stack: the collectives need a few KiB, but the torch backend's calls run ATen
+// operators and build error messages with backtraces on it. Pages are touched only as used.
+constexpr std::size_t kStackBytes = std::size_t{1} << 20;
+constexpr std::size_t kCachedStacks = 32;
+
+std::size_t page_size() {
+  static const std::size_t p = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+struct StackCache {
+  std::mutex mu;
+  std::vector<void*> free;  // [mu] mappings of page_size() + kStackBytes, guard page first
+};
+
+StackCache& stacks() {
+  static StackCache* c = new StackCache;  // never destroyed: schedules may end during exit
+  return *c;
+}
+
+void* take_stack() {
+  {
+    StackCache& c = stacks();
+    std::lock_guard<std::mutex> g(c.mu);
+    if (!c.free.empty()) {
+      void* s = c.free.back();
+      c.free.pop_back();
+      return s;
+    }
+  }
+  void* m = ::mmap(nullptr, page_size() + kStackBytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+  if (m == MAP_FAILED) {
+    throw Error(Errc::kTransport, "commux schedule: cannot map a stack of " +
+                                      std::to_string(kStackBytes) + " bytes for the collective");
+  }
+  ::mprotect(m, page_size(), PROT_NONE);  // an overflow faults instead of corrupting memory
+  return m;
+}
+
+void give_stack(void* m) {
+  StackCache& c = stacks();
+  {
+    std::lock_guard<std::mutex> g(c.mu);
+    if (c.free.size() < kCachedStacks) {
+      c.free.push_back(m);
+      return;
+    }
+  }
+  ::munmap(m, page_size() + kStackBytes);
+}
+
+std::int64_t ticks(Clock::time_point t) { return t.time_since_epoch().count(); }
+
+thread_local Schedule::Impl* t_current = nullptr;
+
+}  // namespace
+
+struct Schedule::Impl {
+  std::function<void()> call;
+  ucontext_t fiber{};
+  ucontext_t caller{};  // the resuming thread's context, while the call runs
+  void* mapping = nullptr;
+  char* stack = nullptr;  // the usable part of the mapping
+  // Set by the fiber as it returns; read by the resuming thread once control is back.
+  bool returned = false;
+  std::exception_ptr error;
+  std::atomic<bool> done{false};
+  std::atomic<bool> busy{false};  // a thread is resuming it (or starting it)
+  mutable std::mutex wmu;
+  Request waiting;                    // [wmu] what it is suspended on (invalid: nothing)
+  std::atomic<std::int64_t> wake{0};  // when it is ready anyway (its next check, its deadline)
+#ifdef COMMUX_ASAN
+  void* fake_stack = nullptr;  // the fiber's, while it is switched out
+  const void* caller_bottom = nullptr;
+  std::size_t caller_size = 0;
+#endif
+#ifdef COMMUX_TSAN
+  void* tsan_fiber = nullptr;
+  void* tsan_caller = nullptr;
+#endif
+
+  static void entry(unsigned hi, unsigned lo);
+  // Runs the fiber until it suspends or returns (the caller holds `busy`).
+  void switch_in();
+  // From the fiber: back to the resuming thread.
+  void switch_out();
+};
+
+void Schedule::Impl::entry(unsigned hi, unsigned lo) {
+  auto* s = reinterpret_cast<Impl*>((static_cast<std::uintptr_t>(hi) << 32) |
+                                    static_cast<std::uintptr_t>(lo));
+#ifdef COMMUX_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &s->caller_bottom, &s->caller_size);
+#endif
+  try {
+    s->call();
+  } catch (...) {
+    s->error = std::current_exception();
+  }
+  s->call = nullptr;  // its captures (tensors, buffers) go now, on the thread that finished it
+  s->returned = true;
+#ifdef COMMUX_ASAN
+  __sanitizer_start_switch_fiber(nullptr, s->caller_bottom, s->caller_size);  // stack is done
+#endif
+#ifdef COMMUX_TSAN
+  __tsan_switch_to_fiber(s->tsan_caller, 0);
+#endif
+  ::setcontext(&s->caller);
+}
+
+// Always continues on the thread it started on: the fiber switches back to `caller`, which this
+// thread saved.
+void Schedule::Impl::switch_in() {
+  Impl* const outer = t_current;
+  t_current = this;
+#ifdef COMMUX_TSAN
+  tsan_caller = __tsan_get_current_fiber();
+  __tsan_switch_to_fiber(tsan_fiber, 0);
+#endif
+#ifdef COMMUX_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, stack, kStackBytes);
+#endif
+  ::swapcontext(&caller, &fiber);
+#ifdef COMMUX_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  t_current = outer;
+  if (returned) {
+#ifdef COMMUX_TSAN
+    __tsan_destroy_fiber(tsan_fiber);
+    tsan_fiber = nullptr;
+#endif
+    give_stack(mapping);
+    mapping = nullptr;
+    done.store(true, std::memory_order_release);
+  }
+}
+
+void Schedule::Impl::switch_out() {
+#ifdef COMMUX_ASAN
+  __sanitizer_start_switch_fiber(&fake_stack, caller_bottom, caller_size);
+#endif
+#ifdef COMMUX_TSAN
+  __tsan_switch_to_fiber(tsan_caller, 0);
+#endif
+  ::swapcontext(&fiber, &caller);
+  // Resumed, perhaps by another thread.
+#ifdef COMMUX_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack, &caller_bottom, &caller_size);
+#endif
+}
+
+namespace detail {
+
+__attribute__((noinline)) Schedule::Impl* current_schedule() noexcept { return t_current; }
+
+__attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on,
+                                       Clock::time_point wake) {
+  {
+    std::lock_guard<std::mutex> g(s->wmu);
+    s->waiting = on;
+  }
+  s->wake.store(ticks(wake), std::memory_order_release);
+  s->switch_out();
+  std::lock_guard<std::mutex> g(s->wmu);
+  s->waiting = Request();
+}
+
+}  // namespace detail
+
+Schedule::Schedule(std::function<void()> call) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.call = std::move(call);
+  s.mapping = take_stack();
+  s.stack = static_cast<char*>(s.mapping) + page_size();
+  ::getcontext(&s.fiber);
+  s.fiber.uc_stack.ss_sp = s.stack;
+  s.fiber.uc_stack.ss_size = kStackBytes;
+  s.fiber.uc_link = nullptr;  // entry() never returns: it switches back itself
+  const auto p = reinterpret_cast<std::uintptr_t>(&s);
+  ::makecontext(&s.fiber, reinterpret_cast<void (*)()>(&Impl::entry), 2,
+                static_cast<unsigned>(p >> 32), static_cast<unsigned>(p & 0xffffffffu));
+#ifdef COMMUX_TSAN
+  s.tsan_fiber = __tsan_create_fiber(0);
+#endif
+  s.busy.store(true, std::memory_order_relaxed);
+  s.switch_in();
+  s.busy.store(false, std::memory_order_release);
+}
+
+Schedule::~Schedule() {
+  if (!impl_) return;
+  // A suspended call still has requests posted into its buffers and scratch: run it to its end
+  // (its deadline bounds this; a failure is the owner's to read, and nobody reads it now).
+  while (!test()) {
+    if (impl_->busy.load(std::memory_order_acquire)) {
+      std::this_thread::yield();
+    } else {
+      await(std::chrono::milliseconds(10));
+    }
+  }
+}
+
+bool Schedule::done() const noexcept { return impl_->done.load(std::memory_order_acquire); }
+
+bool Schedule::ready() const noexcept {
+  const Impl& s = *impl_;
+  if (s.done.load(std::memory_order_acquire)) return false;
+  {
+    std::lock_guard<std::mutex> g(s.wmu);
+    if (!s.waiting.valid() || s.waiting.done()) return true;
+  }
+  return ticks(Clock::now()) >= s.wake.load(std::memory_order_acquire);
+}
+
+bool Schedule::test() {
+  Impl& s = *impl_;
+  if (s.done.load(std::memory_order_acquire)) return true;
+  if (!ready()) return false;
+  bool expected = false;
+  if (!s.busy.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return false;
+  if (!s.done.load(std::memory_order_acquire)) s.switch_in();
+  s.busy.store(false, std::memory_order_release);
+  return s.done.load(std::memory_order_acquire);
+}
+
+bool Schedule::wait(std::chrono::milliseconds timeout) {
+  const auto until = Clock::now() + timeout;
+  while (!test()) {
+    const auto now = Clock::now();
+    if (now >= until) return false;
+    if (impl_->busy.load(std::memory_order_acquire)) {
+      std::this_thread::yield();  // another thread runs a step of it
+      continue;
+    }
+    await(std::chrono::duration_cast<std::chrono::microseconds>(until - now));
+  }
+  if (impl_->error) std::rethrow_exception(impl_->error);
+  return true;
+}
+
+void Schedule::await(std::chrono::microseconds max) const noexcept {
+  const Impl& s = *impl_;
+  Request on;
+  {
+    std::lock_guard<std::mutex> g(s.wmu);
+    on = s.waiting;
+  }
+  const auto now = Clock::now();
+  auto until = now + max;
+  const Clock::time_point wake{Clock::duration(s.wake.load(std::memory_order_acquire))};
+  if (wake > now) until = std::min(until, wake);
+  if (!on.valid() || on.done() || until <= now) return;
+  try {
+    ::commux::detail::state_of(on)->await(std::chrono::ceil<std::chrono::milliseconds>(until - now),
+                                          true);
+  } catch (...) {
+    // A test channel's deadlock report: the call itself fails at its next check or deadline.
+  }
+}
+
+bool Schedule::running() noexcept { return detail::current_schedule() != nullptr; }
+
+std::exception_ptr Schedule::error() const noexcept {
+  return done() ? impl_->error : std::exception_ptr();
+}
+
+}  // namespace commux::coll

@@ -1,0 +1,26 @@
+// How a collective's waits become suspensions (internal to src/collectives).
+//
+// A coll::Schedule runs its call on a stack of its own (a ucontext fiber). Exchange::wait asks
+// current_schedule() whether it runs inside one; if so, and its request is not complete, it
+// suspends the call with suspend() instead of blocking the thread: the thread that resumed the
+// schedule gets control back, and the schedule is ready() again once that request finishes or
+// `wake` (the call's next cross-rank check, or its deadline) comes. The call may then go on on
+// another thread: code that runs inside a schedule reads thread_local variables only through
+// functions defined out of line (as current_schedule itself), never caching their address across
+// a wait.
+#pragma once
+
+#include <chrono>
+
+#include "commux/collectives.hpp"
+#include "commux/communicator.hpp"
+
+namespace commux::coll::detail {
+
+// The schedule running on this thread, or nullptr.
+Schedule::Impl* current_schedule() noexcept;
+// Suspends the running schedule `s` until `on` finishes or `wake` comes (or a thread resumes it
+// anyway); returns on the thread that resumes it.
+void suspend(Schedule::Impl* s, const Request& on, std::chrono::steady_clock::time_point wake);
+
+}  // namespace commux::coll::detail
