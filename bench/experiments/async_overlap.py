@@ -9,8 +9,10 @@ Each round runs, per backend (alternating which goes first), K blocking all_redu
 --kib KiB float32, then K all_reduce(async_op=True) calls followed by K wait()s; a round's time is
 the slowest rank's (a barrier on a third, gloo, group before each). Every result is checked
 (integer-valued inputs, exact sums). Prints the median over rounds and async/blocking per backend;
-issue 14 asks that async < blocking (the overlap is real). --inflight 1,2,4 adds a "ucx" group
-per COMMUX_INFLIGHT value (collectives of one group run at once), all in the same launch.
+issue 14 asks that async < blocking (the overlap is real). --inflight 1,2,auto adds a "ucx" group
+per COMMUX_INFLIGHT value (collectives of one group run at once), --schedule on,off one per
+COMMUX_SCHEDULE value (async collectives as schedules, or run whole on a collective thread), all
+in the same launch.
 UCX_NET_DEVICES=lo unless set.
 """
 import argparse
@@ -31,10 +33,11 @@ def run_rank(job):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
     groups = {}
-    for n_in in job["inflight"]:
-        os.environ["COMMUX_INFLIGHT"] = str(n_in)  # read when the group is created
-        groups[f"ucx inflight={n_in}"] = dist.new_group(backend="ucx")
-    os.environ.pop("COMMUX_INFLIGHT", None)
+    for label, env in ucx_groups(job["inflight"], job["schedule"]):
+        os.environ.update(env)  # read when the group is created
+        groups[label] = dist.new_group(backend="ucx")
+        for name in env:
+            os.environ.pop(name)
     groups["gloo"] = dist.new_group(backend="gloo")
     me, world = dist.get_rank(), dist.get_world_size()
     n = job["kib"] * 256
@@ -65,32 +68,44 @@ def run_rank(job):
     return {"times": times, "wrong": wrong}
 
 
+def ucx_groups(inflight, schedule):
+    """(label, environment) of each "ucx" group: every COMMUX_INFLIGHT value with every
+    COMMUX_SCHEDULE value."""
+    return [(f"ucx inflight={n} schedule={sc}", {"COMMUX_INFLIGHT": n, "COMMUX_SCHEDULE": sc})
+            for sc in schedule for n in inflight]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--kib", type=int, default=64)
     p.add_argument("--rounds", type=int, default=50)
-    p.add_argument("--inflight", default="2", help="COMMUX_INFLIGHT values, one ucx group each")
+    p.add_argument("--inflight", default="auto",
+                   help="COMMUX_INFLIGHT values (auto or 1..64), one ucx group each")
+    p.add_argument("--schedule", default="on",
+                   help="COMMUX_SCHEDULE values (on, off), one ucx group each with each --inflight")
     a = p.parse_args()
-    inflight = [int(v) for v in a.inflight.split(",")]
+    inflight = a.inflight.split(",")
+    schedule = a.schedule.split(",")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "inflight": inflight, "env": {}}
+    job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "inflight": inflight,
+           "schedule": schedule, "env": {}}
     results, errors = launch_ranks(a.ranks, run_rank, job, 600, "async overlap")
     for e in errors:
         print(f"async_overlap: {e}", file=sys.stderr)
     if errors or len(results) != a.ranks:
         return 1
-    return report(results, a.count, a.kib, a.ranks, a.rounds, inflight)
+    return report(results, a.count, a.kib, a.ranks, a.rounds, inflight, schedule)
 
 
-def report(results, count, kib, ranks, rounds, inflight, where=""):
+def report(results, count, kib, ranks, rounds, inflight, schedule=("on",), where=""):
     """Prints the table of run_rank's results (rank -> dict); 1 if any element was wrong."""
     print(f"{count} all_reduces of {kib} KiB on {ranks} ranks{where}, median of {rounds} rounds "
           "(each the slowest rank's)")
     print("| backend | blocking µs | async µs | async / blocking |")
     print("|---|---:|---:|---:|")
-    for backend in [f"ucx inflight={n}" for n in inflight] + ["gloo"]:
+    for backend in [label for label, _ in ucx_groups(inflight, schedule)] + ["gloo"]:
         per = {}
         for mode in ("blocking", "async"):
             slowest = [max(results[r]["times"][backend][mode][i] for r in results)

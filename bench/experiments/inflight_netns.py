@@ -5,7 +5,7 @@ collective waits for the wire the way it does between hosts and COMMUX_INFLIGHT'
 can show.
 
     .venv/bin/python bench/experiments/inflight_netns.py [--delay-us 50] [--count 8] [--kib 64]
-                                                        [--rounds 50] [--inflight 1,2,4]
+                                                        [--rounds 50] [--inflight 1,2,4] [--schedule on,off]
 
 Needs root (ip netns; tc and the kernel's sch_netem for --delay-us > 0). Creates and removes
 the namespaces itself. --delay-us is added on each side's egress, so a round trip takes twice
@@ -47,9 +47,11 @@ def main():
     p.add_argument("--kib", type=int, default=64)
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--inflight", default="1,2,4")
+    p.add_argument("--schedule", default="on", help="COMMUX_SCHEDULE values (on, off)")
     p.add_argument("--timeout", type=int, default=600)
     a = p.parse_args()
-    inflight = [int(v) for v in a.inflight.split(",")]
+    inflight = a.inflight.split(",")
+    schedule = a.schedule.split(",")
     pid = os.getpid()
     ns = [f"cmxi-a-{pid}", f"cmxi-b-{pid}"]
     dev = [f"cmxia{pid % 100000}", f"cmxib{pid % 100000}"]
@@ -72,7 +74,8 @@ def main():
                     print(f"inflight_netns: tc netem: {r.stderr.strip()} (this kernel may lack "
                           "sch_netem); --delay-us 0 runs over the bare veth pair", file=sys.stderr)
                     return 1
-        job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "inflight": inflight}
+        job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "inflight": inflight,
+               "schedule": schedule}
         port = free_port()
         with tempfile.TemporaryDirectory() as tmp:
             procs = []
@@ -97,7 +100,7 @@ def main():
                 return 1
             results = {r: json.loads(Path(f"{tmp}/{r}.json").read_text()) for r in range(2)}
         delay = f", netem {a.delay_us} us each way" if a.delay_us > 0 else ""
-        return report(results, a.count, a.kib, 2, a.rounds, inflight,
+        return report(results, a.count, a.kib, 2, a.rounds, inflight, schedule,
                       f" in two namespaces (tcp over veth{delay})")
     finally:
         for n in ns:

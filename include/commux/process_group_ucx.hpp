@@ -61,8 +61,12 @@ class ProcessGroupUCX : public c10d::Backend {
   // Collectives that started while another collective of the group was running
   // (COMMUX_INFLIGHT).
   std::uint64_t concurrent_calls() const;
-  // How many collectives of the group may run at once (COMMUX_INFLIGHT, auto resolved).
+  // How many collectives of the group may run at once (COMMUX_INFLIGHT, auto resolved) among
+  // those that hold a thread; schedules (COMMUX_SCHEDULE) may be more under auto.
   int inflight() const;
+  // Collectives started as schedules (COMMUX_SCHEDULE): async CPU collectives, and those a
+  // waiter started from the queue.
+  std::uint64_t scheduled_calls() const;
 
   // Sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper uses them): the number of
   // collectives this group has issued, equal on every rank that issued the same calls.

@@ -479,6 +479,61 @@ def test_blocking_collectives_run_on_the_calling_thread(ranks, ws):
         assert r["off"] == 0, r
 
 
+def _schedules(ctx):
+    """COMMUX_SCHEDULE (on by default): an async CPU collective that may start at once starts on
+    the calling thread as a schedule, and is resumed by whichever thread waits (or the group's
+    thread): 8 async all_reduces on distinct tensors, with tagged p2p to both neighbours issued
+    before them in one round and after them in the other, waited in a random order per rank.
+    Each counts in scheduled_calls; a group created with COMMUX_SCHEDULE=0 starts none. Every
+    result is checked."""
+    import random
+    W, me = ctx.world, ctx.rank
+    right, left = (me + 1) % W, (me - 1) % W
+    be = _backend()
+    rng = random.Random(1000 + me)
+    before = be.scheduled_calls
+    for rnd, p2p_first in enumerate((True, False)):
+        works, checks = [], []
+
+        def p2p():
+            out = torch.full((17,), float(me * 10 + rnd))
+            got = torch.zeros(17)
+            works.append(dist.isend(out, right, tag=40 + rnd))
+            works.append(dist.irecv(got, left, tag=40 + rnd))
+            checks.append((f"round {rnd}: recv from {left}", got, torch.full((17,), float(left * 10 + rnd))))
+
+        if p2p_first:
+            p2p()
+        for i in range(8):
+            x = torch.full((64 + 100 * i,), float(me + i + rnd))
+            works.append(dist.all_reduce(x, async_op=True))
+            checks.append((f"round {rnd}: async all_reduce #{i}", x,
+                           torch.full((64 + 100 * i,), float(sum(r + i + rnd for r in range(W))))))
+        if not p2p_first:
+            p2p()
+        rng.shuffle(works)
+        for w in works:
+            w.wait()
+        for what, got, want in checks:
+            check_equal(what, got, want)
+    started = be.scheduled_calls - before
+    g = _group_with("COMMUX_SCHEDULE", "0")
+    off = _backend(g)
+    for i in range(4):
+        x = torch.full((5,), float(me + 1))
+        dist.all_reduce(x, group=g, async_op=True).wait()
+        check_equal(f"all_reduce #{i} with COMMUX_SCHEDULE=0", x, torch.full((5,), float(W * (W + 1) // 2)))
+    return {"started": started, "off": off.scheduled_calls}
+
+
+@pytest.mark.ucx_semantics  # commux's counter
+@worlds(2, 3, 4)
+def test_async_collectives_run_as_schedules_beside_p2p(ranks, ws):
+    for r in ranks.run(_schedules, timeout=60):
+        assert r["started"] == 16, r  # every async all_reduce of both rounds
+        assert r["off"] == 0, r
+
+
 # ---------------------------------------------------------------------------------------------
 def _inflight_round(ctx, be, issue, late=0.4):
     """Runs `issue()` (which issues async collectives and returns their Works) on every rank while

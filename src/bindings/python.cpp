@@ -172,6 +172,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("concurrent_calls", &commux::ProcessGroupUCX::concurrent_calls,
                              "collectives that started while another collective of the group "
                              "was running (COMMUX_INFLIGHT)")
+      .def_property_readonly("scheduled_calls", &commux::ProcessGroupUCX::scheduled_calls,
+                             "collectives started as schedules (COMMUX_SCHEDULE): resumed by "
+                             "whichever thread waits, holding no thread while they wait")
       .def_property_readonly("inflight", &commux::ProcessGroupUCX::inflight,
                              "how many collectives of the group may run at once (COMMUX_INFLIGHT, "
                              "auto resolved)");

@@ -147,12 +147,16 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   const auto settings = commux::Settings::from_environment();  // read as the group is created
   aten_on_cpu_ = settings.aten_reduce;
   caller_runs_ = settings.caller_runs;
+  schedules_ = settings.schedule && caller_runs_;
   // COMMUX_INFLIGHT=auto: two at once (as Gloo's two threads per group), but one at a time where
   // the group's ranks outnumber the CPUs (the communicator then yields from the first poll): a
   // second running collective would only add a thread that takes the CPU from a peer.
   const bool oversubscribed = settings.yield == commux::Settings::Yield::kAuto &&
                               comm_->options().yield == commux::Options::Yield::kOn;
   inflight_ = settings.inflight > 0 ? settings.inflight : (oversubscribed ? 1 : 2);
+  // Schedules hold no thread while they wait, so auto lets more of them run at once; an explicit
+  // COMMUX_INFLIGHT bounds them too.
+  sched_limit_ = settings.inflight > 0 ? settings.inflight : kScheduleLimit;
   gate_ = std::make_shared<c10d_detail::RunnerGate>();
   gate_->runner = this;
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
@@ -188,6 +192,10 @@ std::uint64_t ProcessGroupUCX::concurrent_calls() const {
 
 int ProcessGroupUCX::inflight() const { return impl_->inflight_; }
 
+std::uint64_t ProcessGroupUCX::scheduled_calls() const {
+  return impl_->scheduled_calls_.load(std::memory_order_relaxed);
+}
+
 std::string ProcessGroupUCX::Impl::where() const {
   return "group '" + group_name_ + "', rank " + std::to_string(getRank()) + " of " +
          std::to_string(getSize());
@@ -195,6 +203,7 @@ std::string ProcessGroupUCX::Impl::where() const {
 
 void ProcessGroupUCX::Impl::shutdown() {
   std::deque<std::shared_ptr<Task>> left;
+  bool submit = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (shut_down_) return;
@@ -202,7 +211,11 @@ void ProcessGroupUCX::Impl::shutdown() {
     stopping_ = true;
     left.swap(queue_);
     queued_.store(0, std::memory_order_release);
+    // Schedules in flight fail once the communicator has cancelled their requests: a pool thread
+    // resumes them to their end (waiters are refused from now on).
+    submit = needs_server_locked();
   }
+  if (submit) c10d_detail::CollectivePool::instance().submit(this);
   // Closing the communicator cancels whatever is posted (bounded by the shutdown timeout), so a
   // collective a pool thread is running fails promptly instead of waiting for its deadline.
   if (comm_) comm_->shutdown();
@@ -230,10 +243,12 @@ uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
 // --- the collectives' thread (pool.hpp) --------------------------------------------------------
 
 void ProcessGroupUCX::Impl::serve() {
+  bool graced = false;  // waited kServerGrace for a waiter since the last one left
   for (;;) {
     std::shared_ptr<Task> t;
     // Back-to-back collectives (a training step's buckets, a benchmark loop) arrive within
-    // microseconds: poll for the next one briefly before letting the thread go.
+    // microseconds: poll for the next one briefly before letting the thread go (or looking at
+    // the schedules again).
     if (spin_.count() > 0 && queued_.load(std::memory_order_acquire) == 0) {
       const auto until = Clock::now() + spin_;
       while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < until) {
@@ -242,19 +257,38 @@ void ProcessGroupUCX::Impl::serve() {
     }
     bool more = false;
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::unique_lock<std::mutex> lk(mu_);
       // Whoever finishes a running task looks at the queue again (this loop, or a waiter's
       // leave()), so a first task that cannot start yet is not left behind.
-      if (queue_.empty() || !can_start_locked(*queue_.front())) {
+      if (!queue_.empty() && !stopping_ && can_start_locked(*queue_.front())) {
+        t = take_front_locked();
+        if (!t->schedulable) ++servers_running_;
+        more = needs_server_locked();  // the next one may run beside it (COMMUX_INFLIGHT)
+      } else if (!scheduled_.empty()) {
+        // A waiter resumes the schedules: stay off the CPU while one does, and for a moment
+        // after it leaves (a caller waiting for several Works in turn comes back at once).
+        if (drivers_ > 0 || !graced) {
+          graced = drivers_ == 0;
+          server_asleep_ = true;
+          serve_cv_.wait_for(lk, drivers_ > 0 ? kScheduleSlice : kServerGrace);
+          server_asleep_ = false;
+          continue;
+        }
+      } else {
         --servers_;        // the next enqueue or finished task submits this group again
         cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
         return;
       }
-      t = take_front_locked();
-      ++servers_running_;
-      more = needs_server_locked();  // the next one may run beside it (COMMUX_INFLIGHT)
     }
     if (more) c10d_detail::CollectivePool::instance().submit(this);
+    if (t == nullptr) {
+      if (!resume_schedules()) await_schedules(kScheduleSlice);
+      continue;
+    }
+    if (t->schedulable) {
+      start_schedule(t);
+      continue;
+    }
     std::exception_ptr err = execute(*t);
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -265,6 +299,83 @@ void ProcessGroupUCX::Impl::serve() {
     // waits for another collective of the group can run it, even one that overlaps this one.
     t->finish(err);
   }
+}
+
+// --- schedules ----------------------------------------------------------------------------------
+
+void ProcessGroupUCX::Impl::start_schedule(const std::shared_ptr<Task>& t) {
+  scheduled_calls_.fetch_add(1, std::memory_order_relaxed);
+  Task* const tp = t.get();
+  std::unique_ptr<coll::Schedule> sched;
+  try {
+    sched = std::make_unique<coll::Schedule>([this, tp] { tp->sched_error = execute(*tp); });
+  } catch (...) {  // no stack for it (nothing was posted): the Work fails saying so
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      ran_locked(*t);
+    }
+    t->finish(std::current_exception());
+    return;
+  }
+  const bool done = sched->done();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    t->sched = std::move(sched);
+    if (!done) scheduled_.push_back(t);
+  }
+  if (done) complete_schedule(t);
+}
+
+bool ProcessGroupUCX::Impl::resume_schedules() {
+  std::shared_ptr<Task> ready[kMaxInflight];  // scheduled_ holds at most sched_limit_ <= 64
+  std::size_t n = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& t : scheduled_) {
+      if (n < kMaxInflight && t->sched->ready()) ready[n++] = t;
+    }
+  }
+  bool any = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    const bool finished = ready[i]->sched->test();
+    any = true;
+    if (finished) complete_schedule(ready[i]);
+  }
+  return any;
+}
+
+void ProcessGroupUCX::Impl::await_schedules(std::chrono::microseconds max) {
+  std::shared_ptr<Task> first;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& t : scheduled_) {
+      if (!t->sched->done() && !t->sched->ready()) {
+        first = t;
+        break;
+      }
+    }
+  }
+  if (first == nullptr) {
+    std::this_thread::yield();  // each is ready or being resumed by another thread
+    return;
+  }
+  first->sched->await(max);
+}
+
+void ProcessGroupUCX::Impl::complete_schedule(const std::shared_ptr<Task>& t) {
+  if (t->completing.exchange(true, std::memory_order_acq_rel)) return;
+  bool submit = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = std::find(scheduled_.begin(), scheduled_.end(), t);
+    if (it != scheduled_.end()) scheduled_.erase(it);
+    ran_locked(*t);
+    submit = needs_server_locked();  // what waited for it may start now
+    if (server_asleep_ && scheduled_.empty()) serve_cv_.notify_all();
+    cv_.notify_all();
+  }
+  if (submit) c10d_detail::CollectivePool::instance().submit(this);
+  t->finish(t->sched_error);
 }
 
 std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
@@ -299,7 +410,8 @@ void ProcessGroupUCX::Impl::ran_locked(const Task& t) {
 
 bool ProcessGroupUCX::Impl::can_start_locked(const Task& t) const {
   if (running_.empty()) return true;
-  if (t.alone || static_cast<int>(running_.size()) >= inflight_) return false;
+  if (t.alone || static_cast<int>(running_.size()) >= (t.schedulable ? sched_limit_ : inflight_))
+    return false;
   for (const Task* r : running_) {
     if (r->alone) return false;
     for (const auto& a : r->spans) {
@@ -312,9 +424,10 @@ bool ProcessGroupUCX::Impl::can_start_locked(const Task& t) const {
 }
 
 bool ProcessGroupUCX::Impl::needs_server_locked() {
-  if (queue_.empty() || stopping_) return false;
   if (servers_ > servers_running_) return false;  // a pool thread between tasks takes it
-  if (!can_start_locked(*queue_.front())) return false;
+  const bool drive = !scheduled_.empty() && servers_ == 0;
+  const bool start = !stopping_ && !queue_.empty() && can_start_locked(*queue_.front());
+  if (!drive && !start) return false;
   ++servers_;
   return true;
 }
@@ -339,37 +452,81 @@ void ProcessGroupUCX::Impl::leave() {
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
 }
 
-void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target) {
+void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target,
+                                        Clock::time_point until, bool may_block) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++drivers_;
+  }
+  struct Driving {
+    Impl* g;
+    ~Driving() {
+      // (A pool thread asleep for this waiter looks again within kScheduleSlice: waking it at
+      // once would cost a context switch between the Works a caller waits for in turn.)
+      std::lock_guard<std::mutex> lk(g->mu_);
+      --g->drivers_;
+    }
+  } driving{this};
+  const bool interruptible = c10d_detail::interruptible();
+  auto next_interrupt_check = Clock::now() + c10d_detail::kInterruptPoll;
   for (;;) {
+    if (target->finished.load(std::memory_order_acquire)) return;
     std::shared_ptr<Task> t;
     {
       std::lock_guard<std::mutex> lk(mu_);
+      if (stopping_) return;
       // Device collectives keep to the collective thread (they wait for the issuing stream there).
-      if (stopping_ || target->taken || queue_.empty() || !queue_.front()->device.is_cpu() ||
-          !can_start_locked(*queue_.front())) {
-        return;
+      const bool startable = !target->taken && !queue_.empty() && queue_.front()->device.is_cpu() &&
+                             (queue_.front()->schedulable || may_block) &&
+                             can_start_locked(*queue_.front());
+      if (startable) {
+        t = take_front_locked();
+      } else if (scheduled_.empty() && (!target->taken || !target->schedulable)) {
+        return;  // nothing this thread can do for it: the collective threads run it
       }
-      t = take_front_locked();
     }
-    const auto interrupts = c10d_detail::interrupts_raised();
-    caller_ran_.fetch_add(1, std::memory_order_relaxed);
-    std::exception_ptr err = execute(*t);
-    const bool interrupted = err && c10d_detail::interrupts_raised() != interrupts;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      ran_locked(*t);
+    if (t != nullptr) {
+      if (t->schedulable) {
+        start_schedule(t);
+      } else {
+        run_blocking(t);
+      }
+      continue;
     }
-    if (interrupted) {
-      // Ctrl-C stopped this collective (Context::poll): the other ranks were told; the Work fails
-      // as canceled, and the interrupt itself goes to the waiter.
-      t->finish(std::make_exception_ptr(Error(
-          Errc::kCanceled, std::string("commux ") + t->op_name + ": interrupted on this rank (" +
-                               where() + ") while it ran; the other ranks were told")));
-      std::rethrow_exception(err);
+    const bool resumed = resume_schedules();
+    if (target->finished.load(std::memory_order_acquire)) return;
+    const auto now = Clock::now();
+    if (now >= until) return;
+    if (!resumed) {
+      await_schedules(std::min<std::chrono::microseconds>(
+          kScheduleSlice, std::chrono::duration_cast<std::chrono::microseconds>(until - now)));
     }
-    t->finish(err);
-    if (t == target) return;
+    // Ctrl-C: the KeyboardInterrupt leaves the schedules to the collective thread.
+    if (interruptible && now >= next_interrupt_check) {
+      next_interrupt_check = now + c10d_detail::kInterruptPoll;
+      c10d_detail::check_interrupt();
+    }
   }
+}
+
+void ProcessGroupUCX::Impl::run_blocking(const std::shared_ptr<Task>& t) {
+  const auto interrupts = c10d_detail::interrupts_raised();
+  caller_ran_.fetch_add(1, std::memory_order_relaxed);
+  std::exception_ptr err = execute(*t);
+  const bool interrupted = err && c10d_detail::interrupts_raised() != interrupts;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ran_locked(*t);
+  }
+  if (interrupted) {
+    // Ctrl-C stopped this collective (Context::poll): the other ranks were told; the Work fails
+    // as canceled, and the interrupt itself goes to the waiter.
+    t->finish(std::make_exception_ptr(Error(
+        Errc::kCanceled, std::string("commux ") + t->op_name + ": interrupted on this rank (" +
+                             where() + ") while it ran; the other ranks were told")));
+    std::rethrow_exception(err);
+  }
+  t->finish(err);
 }
 
 // Runs a task's body on the group's pool thread. A device collective first waits for the issuing
@@ -421,16 +578,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
   // Which collectives it may run beside (COMMUX_INFLIGHT): the memory of its tensors.
   t->alone = type == c10d::OpType::BARRIER || !t->device.is_cpu() || aten_on_cpu_ ||
              (t->outputs.empty() && t->keep_alive.empty());
+  // A CPU collective runs as a schedule once started (unless a caller runs it blocking, below);
+  // device and sparse ones, and COMMUX_ATEN_REDUCE's, keep to a thread.
+  bool strided = true;
   for (const auto* list : {&t->outputs, &t->keep_alive}) {
     for (const auto& x : *list) {
       if (!x.defined() || x.numel() == 0) continue;
       if (x.layout() != c10::kStrided || !x.device().is_cpu()) {
         t->alone = true;
+        strided = false;
         continue;
       }
       t->spans.push_back(c10d_detail::byte_span(x));
     }
   }
+  t->schedulable = schedules_ && strided && t->device.is_cpu() && !aten_on_cpu_ &&
+                   (!t->alone || type == c10d::OpType::BARRIER);
   // Only a short collective's waiter polls for the result; a long one would take CPU from the
   // worker and the peers for nothing.
   std::size_t bytes = 0;
@@ -438,6 +601,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
   const bool small = bytes <= kSpinWaitBytes;
   bool submit = false;
   bool here = false;
+  bool sched = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) {
@@ -455,18 +619,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     // A blocking call with nothing queued before it that may start now (beside what runs, up to
     // COMMUX_INFLIGHT) runs here; else a pool thread takes it, unless one between tasks will, or
     // it cannot start yet (whoever finishes a running task looks again).
-    here = !async_op && caller_runs_ && t->device.is_cpu() && queue_.size() == 1 &&
-           can_start_locked(*t);
-    if (here) ++waiters_in_;  // enter()
-    submit = !here && needs_server_locked();
+    // An async one that may start now starts here as a schedule: its first step is posted before
+    // this call returns, and later steps run on whichever thread resumes it.
+    const bool now = queue_.size() == 1 && can_start_locked(*t);
+    here = now && !async_op && caller_runs_ && t->device.is_cpu();
+    sched = now && async_op && t->schedulable;
+    if (here || sched) {
+      take_front_locked();
+      ++waiters_in_;  // enter()
+    }
+    if (!here && !sched && server_asleep_) serve_cv_.notify_all();  // it may start this one
+    submit = !here && !sched && needs_server_locked();
   }
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
-  if (here) {
+  if (here || sched) {
     struct Leave {
       Impl* g;
-      ~Leave() { g->leave(); }  // submits the group if anything is left queued
+      ~Leave() { g->leave(); }  // submits the group if anything is left queued or scheduled
     } leave{this};
-    run_through(t);
+    if (here) {
+      run_blocking(t);
+    } else {
+      start_schedule(t);
+    }
   }
   return track(c10::make_intrusive<CollWork>(getRank(), std::move(t), limit, where()));
 }
@@ -490,7 +665,10 @@ coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t 
   c.op_name = op_name;
   c.mem = MemoryType::kHost;
   // Run by a waiter on Python's main thread (CollWork::wait): Ctrl-C stops it.
-  if (c10d_detail::interruptible()) c.poll = &c10d_detail::poll_interrupt;
+  // (Not a schedule: Ctrl-C leaves an async collective running, and its waiter raises it.)
+  if (c10d_detail::interruptible() && !coll::Schedule::running()) {
+    c.poll = &c10d_detail::poll_interrupt;
+  }
   if (like.defined()) {
     // Every rank's tensors of a collective have one dtype: part of the call's fingerprint, and
     // with the element count how errors describe the call ("1000 float32").

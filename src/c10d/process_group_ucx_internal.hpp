@@ -42,6 +42,14 @@ namespace commux {
 
 struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_detail::TaskRunner {
   using Body = std::function<void(std::uint32_t tag, std::chrono::steady_clock::time_point)>;
+  // Schedules in flight at once under COMMUX_INFLIGHT=auto; the most COMMUX_INFLIGHT allows; how
+  // long a thread resuming schedules sleeps on one of them before it looks at all of them again.
+  static constexpr int kScheduleLimit = 16;
+  static constexpr std::size_t kMaxInflight = 64;
+  static constexpr std::chrono::microseconds kScheduleSlice{1000};
+  // How long a pool thread serving a group leaves its schedules to the group's waiters after
+  // the last one left, before it resumes them itself.
+  static constexpr std::chrono::microseconds kServerGrace{200};
 
   Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
        std::chrono::milliseconds timeout, std::string name, std::string group_name);
@@ -161,16 +169,30 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // TaskRunner: a waiter runs queued collectives on its own thread (CollWork::wait).
   bool enter() override;
   void leave() override;
-  void run_through(const std::shared_ptr<c10d_detail::Task>& t) override;
+  void run_through(const std::shared_ptr<c10d_detail::Task>& t,
+                   std::chrono::steady_clock::time_point until, bool may_block) override;
+  // Runs a taken task that is not a schedule on this thread (a waiter's or the caller's); an
+  // interrupt stops it on every rank (its Task fails as canceled) and propagates.
+  void run_blocking(const std::shared_ptr<c10d_detail::Task>& t);
+  // Schedules. start_schedule: runs a taken task as a coll::Schedule on this thread up to its
+  // first wait, completes it if it finished there, else lists it in scheduled_.
+  // resume_schedules: resumes each listed schedule that is ready, completing those that finish;
+  // true if it resumed any. await_schedules: sleeps up to `max` on what the first listed schedule
+  // waits for. complete_schedule: once per task, by whichever thread claims it.
+  void start_schedule(const std::shared_ptr<c10d_detail::Task>& t);
+  bool resume_schedules();
+  void await_schedules(std::chrono::microseconds max);
+  void complete_schedule(const std::shared_ptr<c10d_detail::Task>& t);
   // Runs a task taken from the queue (the flight record, the dead calls' messages, the body);
   // what it threw, after the record. Does not finish the task.
   std::exception_ptr execute(c10d_detail::Task& t);
-  // [mu_] The queue's first task can start now and no pool thread is free to take it: counts one
-  // more server; the caller then submits the group to the pool (after unlocking).
+  // [mu_] The queue's first task can start now, or schedules are listed and no pool thread
+  // serves the group, and no pool thread is free to take it: counts one more server; the caller
+  // then submits the group to the pool (after unlocking).
   bool needs_server_locked();
   // [mu_] Whether `t` may start beside the running tasks (COMMUX_INFLIGHT): always when none
-  // runs; else when fewer than inflight_ run, neither it nor any of them runs alone and its
-  // tensors overlap none of theirs.
+  // runs; else when fewer than inflight_ run (sched_limit_ for a schedule), neither it nor any of
+  // them runs alone and its tensors overlap none of theirs.
   bool can_start_locked(const c10d_detail::Task& t) const;
   // [mu_] Takes the queue's first task to run it on this thread (counts it running).
   std::shared_ptr<c10d_detail::Task> take_front_locked();
@@ -194,9 +216,20 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   int servers_running_ = 0;  // [mu_] those of them running a task now
   std::vector<const c10d_detail::Task*> running_;  // [mu_] taken, not yet run (pool or waiter)
   int inflight_ = 2;                               // COMMUX_INFLIGHT
+  // Schedules: CPU collectives started as coll::Schedules (they hold no thread while they wait),
+  // up to sched_limit_ at once; listed here from their first wait until completed, in start order.
+  // drivers_: waiters in run_through, which resume them; a pool thread serving the group resumes
+  // them while there are none, and sleeps on serve_cv_ (server_asleep_) while there are.
+  std::vector<std::shared_ptr<c10d_detail::Task>> scheduled_;  // [mu_]
+  int sched_limit_ = 16;
+  int drivers_ = 0;             // [mu_]
+  bool server_asleep_ = false;  // [mu_]
+  std::condition_variable serve_cv_;
+  std::atomic<std::uint64_t> scheduled_calls_{0};  // collectives started as schedules
   std::atomic<std::uint64_t> concurrent_{0};       // tasks started beside another
   int waiters_in_ = 0;                        // [mu_] waiters admitted by enter(), not yet left
   bool caller_runs_ = true;                   // COMMUX_CALLER_RUNS
+  bool schedules_ = true;                     // COMMUX_SCHEDULE (and COMMUX_CALLER_RUNS)
   std::atomic<std::uint64_t> caller_ran_{0};  // collectives run_through() ran
   std::shared_ptr<c10d_detail::RunnerGate> gate_;  // shared with the Tasks
   bool stopping_ = false;

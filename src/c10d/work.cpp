@@ -96,7 +96,7 @@ std::exception_ptr CollWork::exception() const {
   return task_->error;
 }
 
-void CollWork::run_here() {
+void CollWork::run_here(Clock::time_point until, bool may_block) {
   TaskRunner* runner = nullptr;
   {
     RunnerGate& gate = *task_->gate;
@@ -108,32 +108,33 @@ void CollWork::run_here() {
     TaskRunner* r;
     ~Leave() { r->leave(); }
   } leave{runner};
-  runner->run_through(task_);
+  runner->run_through(task_, until, may_block);
 }
 
 bool CollWork::wait(std::chrono::milliseconds timeout) {
   const auto limit = timeout.count() > 0 ? timeout : default_timeout_;
-  // A collective no thread has started yet runs here, on the waiting thread, so that a blocking
-  // call costs no hand-off to the collective thread and back -- unless the wait has a shorter
-  // limit than the collective's own deadline (it must be able to return at that limit).
-  if (task_->gate != nullptr && !task_->finished.load(std::memory_order_acquire) &&
-      (timeout.count() <= 0 || Clock::now() + timeout >= task_->deadline)) {
-    run_here();
-  }
-  // A short collective finishes within microseconds: poll (yielding the CPU to the worker and the
-  // peer) before paying a futex sleep and wake-up.
-  if (task_->spin.count() > 0 && !task_->finished.load(std::memory_order_acquire)) {
-    const auto until = Clock::now() + task_->spin;
-    while (!task_->finished.load(std::memory_order_acquire) && Clock::now() < until) {
-      std::this_thread::yield();
-    }
-  }
-  std::unique_lock<std::mutex> lk(task_->mu);
   // The task itself fails at its deadline; the extra time covers its hang report (which asks the
   // other ranks, FlightRecorder::kAnswerWait at most) and the wake-up.
   const auto slack = timeout.count() > 0 ? std::chrono::milliseconds(0)
                                          : FlightRecorder::kAnswerWait + std::chrono::seconds(1);
   const auto until = Clock::now() + limit + slack;
+  // The waiting thread works for the collective itself, so that it costs no hand-off to the
+  // collective thread and back: it starts it if no thread has, and resumes it (and the group's
+  // other schedules) as its requests complete. A collective that cannot run as a schedule runs
+  // here only if the wait's limit is not shorter than the collective's own deadline (it must be
+  // able to return at that limit).
+  if (task_->gate != nullptr && !task_->finished.load(std::memory_order_acquire)) {
+    run_here(until, timeout.count() <= 0 || Clock::now() + timeout >= task_->deadline);
+  }
+  // A short collective finishes within microseconds: poll (yielding the CPU to the worker and the
+  // peer) before paying a futex sleep and wake-up.
+  if (task_->spin.count() > 0 && !task_->finished.load(std::memory_order_acquire)) {
+    const auto spin_until = Clock::now() + task_->spin;
+    while (!task_->finished.load(std::memory_order_acquire) && Clock::now() < spin_until) {
+      std::this_thread::yield();
+    }
+  }
+  std::unique_lock<std::mutex> lk(task_->mu);
   const auto done = [&] { return task_->done; };
   bool finished = false;
   if (!interruptible()) {

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "commux/collectives.hpp"
 #include "commux/communicator.hpp"
 #include "device.hpp"
 #include "errors.hpp"
@@ -74,12 +75,15 @@ class TaskRunner {
   // the group is not destroyed before.
   virtual bool enter() = 0;
   virtual void leave() = 0;
-  // Runs the group's queued collectives on this thread, in order, up to and including `t`, each
-  // only when it may start beside those other threads run (COMMUX_INFLIGHT); returns as soon as it
-  // cannot (`t` already taken, the first queued one unable to start yet, a device collective
-  // first, the group shutting down), leaving the rest to the collective threads. An interrupt
-  // (Ctrl-C) stops the collective it ran: its Task fails as canceled, and the interrupt propagates.
-  virtual void run_through(const std::shared_ptr<Task>& t) = 0;
+  // Works for `t` on this thread until it is finished or `until` passes: starts the group's queued
+  // collectives in order as they may start (a CPU collective as a schedule, the others run here
+  // only when `may_block`: their run cannot stop at `until`), and resumes the group's schedules as
+  // their requests complete. Returns early when it can do nothing for `t` (taken by a collective
+  // thread, a device collective first, the group shutting down), leaving the rest to the
+  // collective threads. An interrupt (Ctrl-C) stops a collective it ran here (not a schedule): its
+  // Task fails as canceled, and the interrupt propagates; schedules go on without this thread.
+  virtual void run_through(const std::shared_ptr<Task>& t, Clock::time_point until,
+                           bool may_block) = 0;
 };
 
 // The group behind its Tasks, for as long as it is alive.
@@ -117,6 +121,13 @@ struct Task {
   // alone (a barrier, a device or sparse collective, one without tensors).
   std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;
   bool alone = false;
+  // A CPU collective that runs as a coll::Schedule once started (docs/torch-backend.md, "Where a
+  // collective runs"); sched is set by the thread that starts it, under the group's lock, and
+  // reset by the one that completes it. completing: that thread claimed the completion.
+  bool schedulable = false;
+  std::unique_ptr<coll::Schedule> sched;
+  std::exception_ptr sched_error;  // what execute() returned inside the schedule
+  std::atomic<bool> completing{false};
 
   void finish(std::exception_ptr e);
 };
@@ -134,8 +145,8 @@ class CollWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return task_->future; }
 
  private:
-  // Runs the task on this thread if the group lets it (TaskRunner::run_through).
-  void run_here();
+  // Works for the task on this thread if the group lets it (TaskRunner::run_through).
+  void run_here(Clock::time_point until, bool may_block);
   std::shared_ptr<Task> task_;
   std::chrono::milliseconds default_timeout_;
   std::string where_;

@@ -51,11 +51,18 @@ const std::vector<Setting>& settings_table() {
        "the torch backend's Work.wait() on a CPU collective that has not started runs it (and any "
        "of its group queued before it) on the waiting thread, with no hand-off to the group's "
        "collective thread; off: the collective thread runs every collective"},
+      {"COMMUX_SCHEDULE", "bool", "on", kPerComm,
+       "the torch backend starts an async CPU collective on the calling thread as a schedule "
+       "(coll::Schedule): its first step is posted before the call returns, and later steps run "
+       "on whichever thread resumes it (a waiter in Work.wait(), else a collective thread), "
+       "holding no thread while it waits; off: a collective thread runs it whole (needs "
+       "COMMUX_CALLER_RUNS)"},
       {"COMMUX_INFLIGHT", "auto/int", "auto", kPerComm,
-       "the torch backend runs up to this many CPU collectives of one group at once (each on its "
-       "own thread), started in issue order; one whose tensors overlap a running one's waits for "
-       "it, and a barrier, a device collective or a sparse one runs alone; auto: 2, or 1 when the "
-       "group's ranks on this host outnumber the CPUs of the process's affinity mask"},
+       "the torch backend runs up to this many CPU collectives of one group at once, started in "
+       "issue order; one whose tensors overlap a running one's waits for it, and a barrier, a "
+       "device collective or a sparse one runs alone; auto: 16 schedules (COMMUX_SCHEDULE), and "
+       "of the collectives that hold a thread 2, or 1 when the group's ranks on this host "
+       "outnumber the CPUs of the process's affinity mask"},
       {"COMMUX_ALGO_ALLREDUCE", "name", "auto", kOnce,
        "forces the allreduce algorithm (see docs/collectives.md); auto: the selector chooses"},
       {"COMMUX_ALGO_BROADCAST", "name", "auto", kOnce, "forces the broadcast algorithm"},
@@ -158,6 +165,7 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       else if (name == "COMMUX_UCX_DEFAULTS") out.ucx_defaults = b;
       else if (name == "COMMUX_ATEN_REDUCE") out.aten_reduce = b;
       else if (name == "COMMUX_CALLER_RUNS") out.caller_runs = b;
+      else if (name == "COMMUX_SCHEDULE") out.schedule = b;
       else if (name == "COMMUX_EP_ATEN") out.ep_aten = b;
       else if (name == "COMMUX_BENCH") out.bench = b;
     } else if (std::strcmp(s.type, "int") == 0) {
