@@ -6,6 +6,11 @@ for "ucx" and "gloo" in the same launch. Issue 14 asks for under 5% of a core.
 
     .venv/bin/python bench/experiments/blocked_cpu.py [--ranks 2] [--late 3] [--rounds 3]
                                                       [--op all_reduce|barrier]
+                                                      [--mode blocking|wait|poll]
+
+--mode wait issues the call with async_op=True and waits for its Work at once (a schedule a
+waiter resumes); --mode poll issues it async and then sleeps in 10 ms steps until
+Work.is_completed() (a schedule nobody waits for, resumed by the group's pool thread).
 
 Every all_reduce result is checked. UCX_NET_DEVICES=lo unless set.
 """
@@ -46,10 +51,18 @@ def run_rank(job):
                 time.sleep(job["late"])
             c0, t0 = cpu_s(), time.monotonic()
             x.fill_(float(me + 1))
+            mode = job["mode"]
             if job["op"] == "barrier":
-                dist.barrier(group=g)
+                w = dist.barrier(group=g, async_op=mode != "blocking")
             else:
-                dist.all_reduce(x, group=g)
+                w = dist.all_reduce(x, group=g, async_op=mode != "blocking")
+            if mode == "wait":
+                w.wait()
+            elif mode == "poll":
+                while not w.is_completed():
+                    time.sleep(0.01)
+                w.wait()
+            if job["op"] != "barrier":
                 wrong += int((x != float(world * (world + 1) // 2)).sum())
             if me == 0:
                 shares[backend].append((cpu_s() - c0) / (time.monotonic() - t0))
@@ -62,16 +75,17 @@ def main():
     p.add_argument("--late", type=float, default=3.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--op", choices=("all_reduce", "barrier"), default="all_reduce")
+    p.add_argument("--mode", choices=("blocking", "wait", "poll"), default="blocking")
     a = p.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    job = {"late": a.late, "rounds": a.rounds, "op": a.op, "env": {}}
+    job = {"late": a.late, "rounds": a.rounds, "op": a.op, "mode": a.mode, "env": {}}
     timeout = 120 + 3 * a.rounds * a.late
     results, errors = launch_ranks(a.ranks, run_rank, job, timeout, "blocked cpu")
     for e in errors:
         print(f"blocked_cpu: {e}", file=sys.stderr)
     if errors or len(results) != a.ranks:
         return 1
-    print(f"rank 0 blocked {a.late:g} s in {a.op} on {a.ranks} ranks: its process's CPU time over "
+    print(f"rank 0 blocked {a.late:g} s in {a.op} ({a.mode}) on {a.ranks} ranks: its process's CPU time over "
           f"that time, median of {a.rounds} rounds")
     print("| backend | % of a core |")
     print("|---|---:|")

@@ -534,6 +534,45 @@ def test_async_collectives_run_as_schedules_beside_p2p(ranks, ws):
         assert r["off"] == 0, r
 
 
+def _blocked_cpu(ctx):
+    """An async all_reduce that waits 1.5 s for a late rank, waited for at once (a waiter resumes
+    the schedule) and polled with is_completed() (the pool thread resumes it): rank 0's process
+    CPU time over that time, as a share of one core, for each. Results are checked."""
+    import resource
+
+    def cpu_s():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    W, me = ctx.world, ctx.rank
+    out = {}
+    for mode in ("wait", "poll"):
+        x = torch.full((1000,), float(me + 1))
+        dist.barrier()
+        if me != 0:
+            time.sleep(1.5)
+        c0, t0 = cpu_s(), time.monotonic()
+        w = dist.all_reduce(x, async_op=True)
+        if mode == "poll":
+            while not w.is_completed():
+                time.sleep(0.01)
+        w.wait()
+        out[mode] = (cpu_s() - c0) / (time.monotonic() - t0)
+        check_equal(f"all_reduce waited ({mode})", x, torch.full((1000,), float(W * (W + 1) // 2)))
+    return out
+
+
+@pytest.mark.ucx_semantics  # commux's threads
+@worlds(2)
+def test_async_collective_blocked_for_a_late_rank_uses_little_cpu(ranks, ws):
+    """Issue 14 asks for under 5% of a core; the bound leaves room for a loaded CI machine. Before
+    waits on schedules slept only after a spin at each 1 ms slice, this took 27% (wait) and 33%
+    (poll) of a core (bench/experiments/blocked_cpu.py --mode wait|poll measures it beside gloo)."""
+    r0 = ranks.run(_blocked_cpu, timeout=60)[0]
+    assert r0["wait"] < 0.10, r0
+    assert r0["poll"] < 0.10, r0
+
+
 # ---------------------------------------------------------------------------------------------
 def _inflight_round(ctx, be, issue, late=0.4):
     """Runs `issue()` (which issues async collectives and returns their Works) on every rank while

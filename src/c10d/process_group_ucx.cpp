@@ -244,17 +244,10 @@ uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
 
 void ProcessGroupUCX::Impl::serve() {
   bool graced = false;  // waited kServerGrace for a waiter since the last one left
+  bool polled = false;  // polled spin_ for a next collective since it last had work
+  int idle = 0;         // schedule slices in a row in which none was ready
   for (;;) {
     std::shared_ptr<Task> t;
-    // Back-to-back collectives (a training step's buckets, a benchmark loop) arrive within
-    // microseconds: poll for the next one briefly before letting the thread go (or looking at
-    // the schedules again).
-    if (spin_.count() > 0 && queued_.load(std::memory_order_acquire) == 0) {
-      const auto until = Clock::now() + spin_;
-      while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < until) {
-        std::this_thread::yield();
-      }
-    }
     bool more = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
@@ -269,20 +262,35 @@ void ProcessGroupUCX::Impl::serve() {
         // after it leaves (a caller waiting for several Works in turn comes back at once).
         if (drivers_ > 0 || !graced) {
           graced = drivers_ == 0;
+          // Slices (1 ms, then 10 ms) while a waiter drives, as a driver's own: one waiting
+          // seconds for a late rank keeps this thread nearly asleep.
+          idle = drivers_ > 0 ? idle + 1 : 0;
           server_asleep_ = true;
-          serve_cv_.wait_for(lk, drivers_ > 0 ? kScheduleSlice : kServerGrace);
+          serve_cv_.wait_for(lk, drivers_ > 0 ? schedule_slice(idle) : kServerGrace);
           server_asleep_ = false;
           continue;
         }
+      } else if (!polled && spin_.count() > 0) {
+        // Back-to-back collectives (a training step's buckets, a benchmark loop) arrive within
+        // microseconds: poll for the next one briefly before letting the thread go.
+        polled = true;
+        lk.unlock();
+        const auto until = Clock::now() + spin_;
+        while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < until) {
+          std::this_thread::yield();
+        }
+        continue;
       } else {
         --servers_;        // the next enqueue or finished task submits this group again
         cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
         return;
       }
     }
+    polled = false;
     if (more) c10d_detail::CollectivePool::instance().submit(this);
     if (t == nullptr) {
-      if (!resume_schedules()) await_schedules(kScheduleSlice);
+      idle = resume_schedules() ? 0 : idle + 1;
+      if (idle > 0) await_schedules(schedule_slice(idle));
       continue;
     }
     if (t->schedulable) {
@@ -324,6 +332,12 @@ void ProcessGroupUCX::Impl::start_schedule(const std::shared_ptr<Task>& t) {
     if (!done) scheduled_.push_back(t);
   }
   if (done) complete_schedule(t);
+}
+
+std::chrono::microseconds ProcessGroupUCX::Impl::schedule_slice(int idle) {
+  // While nothing has been ready for a while (a late rank), wake up less often: each wake-up
+  // costs CPU that the ranks being waited for may need.
+  return idle < kSlicesBeforeIdle ? kScheduleSlice : kIdleSlice;
 }
 
 bool ProcessGroupUCX::Impl::resume_schedules() {
@@ -469,6 +483,7 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target,
   } driving{this};
   const bool interruptible = c10d_detail::interruptible();
   auto next_interrupt_check = Clock::now() + c10d_detail::kInterruptPoll;
+  int idle = 0;  // schedule slices in a row in which none was ready
   for (;;) {
     if (target->finished.load(std::memory_order_acquire)) return;
     std::shared_ptr<Task> t;
@@ -493,13 +508,14 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target,
       }
       continue;
     }
-    const bool resumed = resume_schedules();
+    idle = resume_schedules() ? 0 : idle + 1;
     if (target->finished.load(std::memory_order_acquire)) return;
     const auto now = Clock::now();
     if (now >= until) return;
-    if (!resumed) {
+    if (idle > 0) {
       await_schedules(std::min<std::chrono::microseconds>(
-          kScheduleSlice, std::chrono::duration_cast<std::chrono::microseconds>(until - now)));
+          schedule_slice(idle),
+          std::chrono::duration_cast<std::chrono::microseconds>(until - now)));
     }
     // Ctrl-C: the KeyboardInterrupt leaves the schedules to the collective thread.
     if (interruptible && now >= next_interrupt_check) {
@@ -578,21 +594,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
   // Which collectives it may run beside (COMMUX_INFLIGHT): the memory of its tensors.
   t->alone = type == c10d::OpType::BARRIER || !t->device.is_cpu() || aten_on_cpu_ ||
              (t->outputs.empty() && t->keep_alive.empty());
-  // A CPU collective runs as a schedule once started (unless a caller runs it blocking, below);
-  // device and sparse ones, and COMMUX_ATEN_REDUCE's, keep to a thread.
-  bool strided = true;
   for (const auto* list : {&t->outputs, &t->keep_alive}) {
     for (const auto& x : *list) {
       if (!x.defined() || x.numel() == 0) continue;
       if (x.layout() != c10::kStrided || !x.device().is_cpu()) {
         t->alone = true;
-        strided = false;
         continue;
       }
       t->spans.push_back(c10d_detail::byte_span(x));
     }
   }
-  t->schedulable = schedules_ && strided && t->device.is_cpu() && !aten_on_cpu_ &&
+  // A CPU collective runs as a schedule once started (unless a caller runs it blocking, below);
+  // device and sparse ones (alone), and COMMUX_ATEN_REDUCE's, keep to a thread. A barrier is
+  // alone only in that nothing starts beside it.
+  t->schedulable = schedules_ && !aten_on_cpu_ && t->device.is_cpu() &&
                    (!t->alone || type == c10d::OpType::BARRIER);
   // Only a short collective's waiter polls for the result; a long one would take CPU from the
   // worker and the peers for nothing.

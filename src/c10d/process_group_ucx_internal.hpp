@@ -47,6 +47,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   static constexpr int kScheduleLimit = 16;
   static constexpr std::size_t kMaxInflight = 64;
   static constexpr std::chrono::microseconds kScheduleSlice{1000};
+  // After this many slices in a row in which no schedule was ready, slices of kIdleSlice.
+  static constexpr int kSlicesBeforeIdle = 25;
+  static constexpr std::chrono::microseconds kIdleSlice{10000};
   // How long a pool thread serving a group leaves its schedules to the group's waiters after
   // the last one left, before it resumes them itself.
   static constexpr std::chrono::microseconds kServerGrace{200};
@@ -181,6 +184,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // waits for. complete_schedule: once per task, by whichever thread claims it.
   void start_schedule(const std::shared_ptr<c10d_detail::Task>& t);
   bool resume_schedules();
+  static std::chrono::microseconds schedule_slice(int idle);  // after `idle` slices with none ready
   void await_schedules(std::chrono::microseconds max);
   void complete_schedule(const std::shared_ptr<c10d_detail::Task>& t);
   // Runs a task taken from the queue (the flight record, the dead calls' messages, the body);

@@ -17,7 +17,7 @@ namespace {
 // How long a failing collective waits for its cancelled requests, all together.
 constexpr std::chrono::milliseconds kCancelBound{1000};
 // A wait checks for another rank's different call after this long, then this often.
-constexpr std::chrono::milliseconds kFirstCheck{25};
+constexpr std::chrono::milliseconds kFirstCheck = kSpinningWait;
 constexpr std::chrono::milliseconds kCheckEvery{10};
 
 // Requests that did not finish even after cancel(), with the scratch they may still touch. Kept
@@ -219,7 +219,8 @@ void Exchange::wait(std::size_t id) {
 
 void Exchange::suspend_for(Schedule::Impl* s, std::size_t id) {
   ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
-  auto next = Clock::now() + kFirstCheck;
+  const auto since = Clock::now();
+  auto next = since + kFirstCheck;
   while (!st->test()) {  // one progress call: a small message may complete here
     const auto now = Clock::now();
     if (now >= deadline_) return;
@@ -228,7 +229,7 @@ void Exchange::suspend_for(Schedule::Impl* s, std::size_t id) {
       if (ctx_.poll != nullptr) poll_caller();
       next = now + kCheckEvery;
     }
-    suspend(s, reqs_[id].req, std::min(next, deadline_));
+    suspend(s, reqs_[id].req, std::min(next, deadline_), since);
   }
 }
 

@@ -132,8 +132,9 @@ struct Schedule::Impl {
   std::atomic<bool> done{false};
   std::atomic<bool> busy{false};  // a thread is resuming it (or starting it)
   mutable std::mutex wmu;
-  Request waiting;                    // [wmu] what it is suspended on (invalid: nothing)
-  std::atomic<std::int64_t> wake{0};  // when it is ready anyway (its next check, its deadline)
+  Request waiting;                     // [wmu] what it is suspended on (invalid: nothing)
+  std::atomic<std::int64_t> wake{0};   // when it is ready anyway (its next check, its deadline)
+  std::atomic<std::int64_t> since{0};  // when the call began to wait for `waiting`
 #ifdef COMMUX_ASAN
   void* fake_stack = nullptr;  // the fiber's, while it is switched out
   const void* caller_bottom = nullptr;
@@ -220,13 +221,14 @@ namespace detail {
 
 __attribute__((noinline)) Schedule::Impl* current_schedule() noexcept { return t_current; }
 
-__attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on,
-                                       Clock::time_point wake) {
+__attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on, Clock::time_point wake,
+                                       Clock::time_point since) {
   {
     std::lock_guard<std::mutex> g(s->wmu);
     s->waiting = on;
   }
   s->wake.store(ticks(wake), std::memory_order_release);
+  s->since.store(ticks(since), std::memory_order_release);
   s->switch_out();
   std::lock_guard<std::mutex> g(s->wmu);
   s->waiting = Request();
@@ -317,9 +319,13 @@ void Schedule::await(std::chrono::microseconds max) const noexcept {
   const Clock::time_point wake{Clock::duration(s.wake.load(std::memory_order_acquire))};
   if (wake > now) until = std::min(until, wake);
   if (!on.valid() || on.done() || until <= now) return;
+  // Spin first only while the wait is young: one blocked for long sleeps at once, so that a
+  // thread waiting seconds for a late rank costs little CPU.
+  const Clock::time_point since{Clock::duration(s.since.load(std::memory_order_acquire))};
+  const bool spin = now - since < detail::kSpinningWait;
   try {
     ::commux::detail::state_of(on)->await(std::chrono::ceil<std::chrono::milliseconds>(until - now),
-                                          true);
+                                          spin);
   } catch (...) {
     // A test channel's deadlock report: the call itself fails at its next check or deadline.
   }

@@ -20,7 +20,11 @@ namespace commux::coll::detail {
 // The schedule running on this thread, or nullptr.
 Schedule::Impl* current_schedule() noexcept;
 // Suspends the running schedule `s` until `on` finishes or `wake` comes (or a thread resumes it
-// anyway); returns on the thread that resumes it.
-void suspend(Schedule::Impl* s, const Request& on, std::chrono::steady_clock::time_point wake);
+// anyway); returns on the thread that resumes it. `since`: when the call began to wait for `on`
+// (a thread sleeping on it spins first only while that wait is young, as a blocking wait does).
+void suspend(Schedule::Impl* s, const Request& on, std::chrono::steady_clock::time_point wake,
+             std::chrono::steady_clock::time_point since);
+// How long a wait spins before it sleeps only (Exchange::wait's first slice).
+inline constexpr std::chrono::milliseconds kSpinningWait{25};
 
 }  // namespace commux::coll::detail
