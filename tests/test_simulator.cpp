@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <complex>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -396,6 +397,42 @@ TEST_P(Schedules, EveryAlgorithmInFlightAtOnceCompletesCorrectly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Schedules, ::testing::Range(1, 9));
+
+// Context::call_text need only live until the call starts: a schedule's caller goes on (the
+// torch backend builds it in a buffer its next call overwrites). Each rank overwrites its text
+// once its allreduce has suspended; the ranks' calls differ (4 and 6 elements), and each rank's
+// error must still describe its own call with its original text. (Before Exchange copied the
+// text, the error read the overwritten buffer.)
+TEST(Schedules, CallTextIsTheCallersAtTheStart) {
+  LoopbackWorld w(2, LoopMode::kRendezvous);
+  const auto errors = w.run([](Communicator& comm) {
+    char text[64];
+    std::snprintf(text, sizeof text, "%s", comm.rank() == 0 ? "four floats" : "six floats");
+    coll::Context c;
+    c.comm = &comm;
+    c.tag = 11;
+    c.op_name = "allreduce";
+    c.call_text = text;
+    c.deadline = Clock::now() + std::chrono::seconds(20);
+    std::vector<float> v(comm.rank() == 0 ? 4 : 6, 1.0f);
+    coll::Schedule s(
+        [&] { coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum); });
+    if (s.done()) fail("the call did not suspend");
+    std::snprintf(text, sizeof text, "%s", "overwritten by the next call");
+    try {
+      s.wait(std::chrono::seconds(20));
+      fail("calls of 4 and 6 elements completed");
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      const std::string mine = comm.rank() == 0 ? "four floats" : "six floats";
+      if (e.code() != Errc::kCallMismatch) fail("not a call mismatch: " + msg);
+      if (msg.find("this rank is in allreduce") == std::string::npos ||
+          msg.find(mine) == std::string::npos || msg.find("overwritten") != std::string::npos)
+        fail("the error does not describe this rank's call as it started: " + msg);
+    }
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
 
 // A schedule keeps what its call threw (a size mismatch on every rank here) for error() and
 // wait(); a call whose peer never comes fails at its deadline, driven by wait().
