@@ -206,7 +206,7 @@ void alltoallv(const Context& ctx, const void* in, const std::size_t* send_count
 // several schedules): from the point where it waited, on that thread, with its reductions and
 // copies. The call keeps its own stack, so every algorithm runs unchanged; its deadline, the
 // cross-rank call checks and Context::poll (on the resuming thread) work as in a blocking call.
-// Whatever the call throws is kept: error() once done() (rethrown by wait() and by test()).
+// Whatever the call throws is kept: error() once done(), rethrown by wait().
 //
 // Threads: any thread may resume a schedule, one at a time (a test() that finds another thread
 // resuming it returns false at once). Distinct schedules in flight at once must use distinct
@@ -224,8 +224,8 @@ class Schedule {
   // Not done, and what it waits for has finished, or its deadline or next check has come: a
   // resume would run it on.
   bool ready() const noexcept;
-  // Resumes it if ready() and no other thread is resuming it; returns done(). Rethrows what the
-  // call threw, once, when it finishes here.
+  // Resumes it if ready() and no other thread is resuming it; returns done(). Never throws what
+  // the call threw (see error()).
   bool test();
   // Resumes it as often as needed until done or `timeout` has passed (sleeping on what it waits
   // for meanwhile); true when done. Rethrows what the call threw.

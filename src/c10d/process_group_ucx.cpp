@@ -352,7 +352,8 @@ bool ProcessGroupUCX::Impl::resume_schedules() {
   bool any = false;
   for (std::size_t i = 0; i < n; ++i) {
     const bool finished = ready[i]->sched->test();
-    any = true;
+    // (Still ready and not finished: another thread is running a step of it.)
+    any = any || finished || !ready[i]->sched->ready();
     if (finished) complete_schedule(ready[i]);
   }
   return any;

@@ -180,7 +180,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // Schedules. start_schedule: runs a taken task as a coll::Schedule on this thread up to its
   // first wait, completes it if it finished there, else lists it in scheduled_.
   // resume_schedules: resumes each listed schedule that is ready, completing those that finish;
-  // true if it resumed any. await_schedules: sleeps up to `max` on what the first listed schedule
+  // true if it ran a step of any. await_schedules: sleeps up to `max` on what the first listed schedule
   // waits for. complete_schedule: once per task, by whichever thread claims it.
   void start_schedule(const std::shared_ptr<c10d_detail::Task>& t);
   bool resume_schedules();
