@@ -27,23 +27,26 @@ struct Parked {
   std::vector<std::unique_ptr<char[]>> scratch;
 };
 
-// Per-thread cache of scratch buffers: at most kPoolBytes in all, none larger than that.
+// The process's cache of scratch buffers: at most kPoolBytes in all, none larger than that. One
+// for the process, not per thread: a schedule takes its scratch on the thread that starts it and
+// gives it back on the one that finishes it, and per-thread caches then left the starting
+// thread's empty (fresh, page-faulting memory for every call, 2x the time of a 256 KiB
+// all_reduce a pool thread finished).
 constexpr std::size_t kPoolBytes = std::size_t{64} << 20;
 
 struct Pool {
+  std::mutex mu;                                                      // guards everything below
   std::vector<std::pair<std::size_t, std::unique_ptr<char[]>>> bufs;  // (size, memory)
   std::size_t total = 0;
 
-  // The smallest cached buffer of at least `bytes`, or a new one.
+  // The smallest cached buffer of at least `bytes`, or none (nullptr).
   std::pair<std::size_t, std::unique_ptr<char[]>> take(std::size_t bytes) {
     std::size_t best = bufs.size();
     for (std::size_t i = 0; i < bufs.size(); ++i) {
       if (bufs[i].first >= bytes && (best == bufs.size() || bufs[i].first < bufs[best].first))
         best = i;
     }
-    if (best == bufs.size()) {
-      return {bytes, std::unique_ptr<char[]>(new char[std::max<std::size_t>(bytes, 1)])};
-    }
+    if (best == bufs.size()) return {bytes, nullptr};
     auto b = std::move(bufs[best]);
     bufs.erase(bufs.begin() + static_cast<std::ptrdiff_t>(best));
     total -= b.first;
@@ -65,8 +68,8 @@ struct Pool {
 };
 
 Pool& pool() {
-  thread_local Pool p;
-  return p;
+  static Pool* p = new Pool;  // never destroyed: collectives may end during exit
+  return *p;
 }
 
 struct ParkingLot {
@@ -144,7 +147,9 @@ Exchange::~Exchange() {
     if (sc.device != nullptr) {
       ctx_.device->release(sc.device);
     } else {
-      pool().give(sc.size, std::move(sc.data));
+      Pool& p = pool();
+      std::lock_guard<std::mutex> g(p.mu);
+      p.give(sc.size, std::move(sc.data));
     }
   }
 }
@@ -192,7 +197,8 @@ void Exchange::wait(std::size_t id) {
     // Inside a Schedule: suspend instead of blocking, until the request finishes or the deadline
     // passes (the blocking wait below then only reports it), making the same checks meanwhile.
     if (st != nullptr && !st->finished()) {
-      if (Schedule::Impl* s = current_schedule()) suspend_for(s, id);
+      Schedule::Impl* s = current_schedule();
+      if (s != nullptr && !blocking(s)) suspend_for(s, id);
     }
     auto left = remaining();
     if (st != nullptr && left > kFirstCheck) {
@@ -221,7 +227,8 @@ void Exchange::suspend_for(Schedule::Impl* s, std::size_t id) {
   ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
   const auto since = Clock::now();
   auto next = since + kFirstCheck;
-  while (!st->test()) {  // one progress call: a small message may complete here
+  while (!st->test()) {       // one progress call: a small message may complete here
+    if (blocking(s)) return;  // run_to_end(): the blocking wait below does the rest
     const auto now = Clock::now();
     if (now >= deadline_) return;
     if (now >= next) {
@@ -249,7 +256,11 @@ char* Exchange::scratch(std::size_t bytes) {
     scratch_.push_back(Scratch{nullptr, bytes, p});
     return static_cast<char*>(p);
   }
-  auto b = pool().take(bytes);
+  Pool& p = pool();
+  std::unique_lock<std::mutex> g(p.mu);
+  auto b = p.take(bytes);
+  g.unlock();
+  if (!b.second) b.second.reset(new char[std::max<std::size_t>(bytes, 1)]);
   scratch_.push_back(Scratch{std::move(b.second), b.first, nullptr});
   return scratch_.back().data.get();
 }

@@ -99,7 +99,7 @@ class Exchange {
   std::size_t bytes(std::size_t id) const;
 
   // Scratch in work memory that lives as long as this Exchange (or longer if a request is
-  // parked). Host buffers come from a small per-thread cache, so that repeated large collectives do
+  // parked). Host buffers come from a small process-wide cache, so that repeated large collectives do
   // not pay page faults on fresh memory every time; they go back to it when the Exchange ends
   // cleanly. Device buffers come from Context::device.
   char* scratch(std::size_t bytes);
