@@ -346,7 +346,8 @@ void drive(const std::vector<std::unique_ptr<coll::Schedule>>& ss, std::mt19937&
 
 // Each rank starts every case as a schedule (each with tags of its own), in the same order on
 // every rank, then drives them all in a random order of its own; on odd ranks another thread
-// drives them, so every schedule starts on one thread and finishes on another.
+// drives them, so every schedule starts on one thread and finishes on another; ranks 2, 5, 8
+// instead run each to its end in start order (run_to_end, as the torch backend's pool thread).
 void every_algorithm_scheduled(Communicator& comm) {
   const std::vector<Case> cases = every_case(comm.size());
   std::vector<std::unique_ptr<Caller>> callers;
@@ -364,7 +365,12 @@ void every_algorithm_scheduled(Communicator& comm) {
       std::count_if(ss.begin(), ss.end(), [](const auto& s) { return !s->done(); });
   if (comm.size() > 1 && suspended == 0) fail("no schedule suspended at its first wait");
   std::mt19937 rng(static_cast<unsigned>(comm.rank()) * 7919u + 1u);
-  if (comm.rank() % 2 == 1) {
+  if (comm.rank() % 3 == 2) {
+    for (auto& s : ss) {
+      if (!s->run_to_end()) fail("run_to_end refused a schedule nobody else resumes");
+      if (!s->done()) fail("run_to_end returned before the call did");
+    }
+  } else if (comm.rank() % 2 == 1) {
     std::exception_ptr err;
     std::thread t([&] {
       try {

@@ -243,7 +243,7 @@ uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
 // --- the collectives' thread (pool.hpp) --------------------------------------------------------
 
 void ProcessGroupUCX::Impl::serve() {
-  bool graced = false;  // waited kServerGrace for a waiter since the last one left
+  bool graced = true;   // waited kServerGrace for a waiter since the last one left (none yet)
   bool polled = false;  // polled spin_ for a next collective since it last had work
   int idle = 0;         // schedule slices in a row in which none was ready
   for (;;) {
@@ -273,10 +273,13 @@ void ProcessGroupUCX::Impl::serve() {
       } else if (!polled && spin_.count() > 0) {
         // Back-to-back collectives (a training step's buckets, a benchmark loop) arrive within
         // microseconds: poll for the next one briefly before letting the thread go.
+        // (One the caller starts as a schedule is never queued: watch the arrivals too.)
         polled = true;
+        const std::uint64_t seen = arrivals_.load(std::memory_order_acquire);
         lk.unlock();
         const auto until = Clock::now() + spin_;
-        while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < until) {
+        while (queued_.load(std::memory_order_acquire) == 0 &&
+               arrivals_.load(std::memory_order_acquire) == seen && Clock::now() < until) {
           std::this_thread::yield();
         }
         continue;
@@ -289,8 +292,30 @@ void ProcessGroupUCX::Impl::serve() {
     polled = false;
     if (more) c10d_detail::CollectivePool::instance().submit(this);
     if (t == nullptr) {
-      idle = resume_schedules() ? 0 : idle + 1;
-      if (idle > 0) await_schedules(schedule_slice(idle));
+      // Nobody waits: run the first listed schedule to its end here, in start order (every
+      // rank's pool thread runs the same one, so the earliest unfinished always advances), as
+      // a collective thread ran one before. Stepping all of them from this thread's sleeps
+      // took 1.6x as long for 8 async 256 KiB all_reduces waited through their futures.
+      std::shared_ptr<Task> first;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (const auto& s : scheduled_) {
+          if (!s->sched->done()) {
+            first = s;
+            break;
+          }
+        }
+      }
+      if (first == nullptr) continue;
+      first->pool_runs.store(true, std::memory_order_release);
+      if (first->sched->run_to_end()) {
+        complete_schedule(first);
+        idle = 0;
+      } else {  // a waiter is running a step of it
+        first->pool_runs.store(false, std::memory_order_release);
+        idle = idle + 1;
+        await_schedules(schedule_slice(idle));
+      }
       continue;
     }
     if (t->schedulable) {
@@ -487,6 +512,8 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target,
   int idle = 0;  // schedule slices in a row in which none was ready
   for (;;) {
     if (target->finished.load(std::memory_order_acquire)) return;
+    // A pool thread runs it to its end: wait for that (CollWork::wait sleeps on the Task).
+    if (target->pool_runs.load(std::memory_order_acquire)) return;
     std::shared_ptr<Task> t;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -632,6 +659,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     if (caller_runs_) t->gate = gate_;
     queue_.push_back(t);
     queued_.fetch_add(1, std::memory_order_release);
+    arrivals_.fetch_add(1, std::memory_order_release);
     // A blocking call with nothing queued before it that may start now (beside what runs, up to
     // COMMUX_INFLIGHT) runs here; else a pool thread takes it, unless one between tasks will, or
     // it cannot start yet (whoever finishes a running task looks again).

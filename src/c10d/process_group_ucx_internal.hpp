@@ -215,7 +215,8 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::condition_variable cv_;  // shutdown() waits on it for servers_ and waiters_in_ to clear
   std::deque<std::shared_ptr<c10d_detail::Task>> queue_;
   std::atomic<std::size_t> queued_{0};  // = queue_.size(), for the pool thread's lock-free polling
-  std::chrono::microseconds spin_{0};   // COMMUX_SPIN_US: hand-off polling before letting go
+  std::atomic<std::uint64_t> arrivals_{0};  // collectives enqueued so far (the same polling)
+  std::chrono::microseconds spin_{0};       // COMMUX_SPIN_US: hand-off polling before letting go
   int servers_ = 0;          // [mu_] pool threads submitted for the group, until serve() lets go
   int servers_running_ = 0;  // [mu_] those of them running a task now
   std::vector<const c10d_detail::Task*> running_;  // [mu_] taken, not yet run (pool or waiter)

@@ -128,6 +128,7 @@ struct Task {
   std::unique_ptr<coll::Schedule> sched;
   std::exception_ptr sched_error;  // what execute() returned inside the schedule
   std::atomic<bool> completing{false};
+  std::atomic<bool> pool_runs{false};  // a pool thread runs it to its end (run_to_end)
 
   void finish(std::exception_ptr e);
 };

@@ -130,7 +130,8 @@ struct Schedule::Impl {
   bool returned = false;
   std::exception_ptr error;
   std::atomic<bool> done{false};
-  std::atomic<bool> busy{false};  // a thread is resuming it (or starting it)
+  std::atomic<bool> busy{false};      // a thread is resuming it (or starting it)
+  std::atomic<bool> blocking{false};  // resumed by run_to_end(): its waits block
   mutable std::mutex wmu;
   Request waiting;                     // [wmu] what it is suspended on (invalid: nothing)
   std::atomic<std::int64_t> wake{0};   // when it is ready anyway (its next check, its deadline)
@@ -221,6 +222,10 @@ namespace detail {
 
 __attribute__((noinline)) Schedule::Impl* current_schedule() noexcept { return t_current; }
 
+bool blocking(const Schedule::Impl* s) noexcept {
+  return s->blocking.load(std::memory_order_acquire);
+}
+
 __attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on, Clock::time_point wake,
                                        Clock::time_point since) {
   {
@@ -290,6 +295,18 @@ bool Schedule::test() {
   if (!s.done.load(std::memory_order_acquire)) s.switch_in();
   s.busy.store(false, std::memory_order_release);
   return s.done.load(std::memory_order_acquire);
+}
+
+bool Schedule::run_to_end() {
+  Impl& s = *impl_;
+  bool expected = false;
+  if (!s.busy.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return false;
+  if (!s.done.load(std::memory_order_acquire)) {
+    s.blocking.store(true, std::memory_order_release);
+    s.switch_in();  // returns once the call has returned: no wait suspends it now
+  }
+  s.busy.store(false, std::memory_order_release);
+  return true;
 }
 
 bool Schedule::wait(std::chrono::milliseconds timeout) {

@@ -19,6 +19,8 @@ namespace commux::coll::detail {
 
 // The schedule running on this thread, or nullptr.
 Schedule::Impl* current_schedule() noexcept;
+// Whether `s` was resumed by run_to_end(): its waits block instead of suspending.
+bool blocking(const Schedule::Impl* s) noexcept;
 // Suspends the running schedule `s` until `on` finishes or `wake` comes (or a thread resumes it
 // anyway); returns on the thread that resumes it. `since`: when the call began to wait for `on`
 // (a thread sleeping on it spins first only while that wait is young, as a blocking wait does).
