@@ -30,6 +30,9 @@ inline Options default_test_options() {
   return o;
 }
 
+// A port nobody listens on now (the kernel's choice for an ephemeral bind on 127.0.0.1).
+int free_port();
+
 // The one temporary-store helper of the C++ suites: a fresh directory under /tmp (for a
 // FileStore), removed with everything in it when the TempDir goes.
 class TempDir {

@@ -22,10 +22,12 @@
 
 #include "commux/error.hpp"
 #include "commux/store.hpp"
+#include "harness.hpp"
 
 using commux::Errc;
 using commux::Error;
 using commux::TcpStore;
+using commux::test::free_port;
 
 namespace {
 
@@ -40,19 +42,6 @@ constexpr bool kSanitized = false;
 #else
 constexpr bool kSanitized = false;
 #endif
-
-// A port nobody listens on now (the kernel's choice for an ephemeral bind).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 // A raw client: connected, with a 10 s receive timeout so that a server which never answers fails
 // the test instead of hanging it. -1 when the connection cannot be made.

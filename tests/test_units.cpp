@@ -155,7 +155,8 @@ TEST_F(FileStoreTest, GetWaitsThenTimesOut) {
 }
 
 TEST(TcpStoreTest, ServerAndClientSeeEachOther) {
-  const int port = 30000 + static_cast<int>(::getpid() % 20000);
+  // (A port derived from the pid collided with ports in use: "Address already in use".)
+  const int port = test::free_port();
   TcpStore server("127.0.0.1", port, /*is_server=*/true, std::chrono::seconds(5));
   TcpStore client("127.0.0.1", port, /*is_server=*/false, std::chrono::seconds(5));
   EXPECT_FALSE(client.check("k"));
