@@ -14,7 +14,8 @@
 #                30 s each from tests/fuzz/corpus/<target>/; any crash or report fails
 #   bench        a smoke run of the C++ benchmark (correctness only; timings not judged)
 #   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests,
-#                then the Work, collectives and DDP suites again with COMMUX_INFLIGHT=4
+#                then the Work, collectives and DDP suites again with COMMUX_INFLIGHT=4 and
+#                COMMUX_SCHEDULE=1 (async collectives as schedules)
 #   wheel        the wheel as users install it (python/tests/wheel): `pip wheel .` (incremental, in
 #                the python stage's build directory) and the bundled wheel (COMMUX_UCX_PROVIDER=
 #                bundled), installed in turn into one fresh venv holding only torch: commux.info,
@@ -143,7 +144,7 @@ stage_python() {
   run_pytest .venv/bin/python python/tests
   # Again with up to four collectives of a group at once wherever the tests issue async ones (auto
   # gives 1 on this machine's 3- and 4-rank groups): the Work, collectives and DDP suites.
-  COMMUX_INFLIGHT=4 run_pytest .venv/bin/python python/tests/test_work.py \
+  COMMUX_INFLIGHT=4 COMMUX_SCHEDULE=1 run_pytest .venv/bin/python python/tests/test_work.py \
     python/tests/test_collectives.py python/tests/test_ddp.py python/tests/test_group_window.py
 }
 

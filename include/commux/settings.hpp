@@ -46,7 +46,7 @@ struct Settings {
   bool ucx_defaults = true;                                    // COMMUX_UCX_DEFAULTS
   bool aten_reduce = false;                                    // COMMUX_ATEN_REDUCE
   bool caller_runs = true;                                     // COMMUX_CALLER_RUNS
-  bool schedule = true;                                        // COMMUX_SCHEDULE
+  bool schedule = false;                                       // COMMUX_SCHEDULE
   int inflight = 0;                                            // COMMUX_INFLIGHT, 0 = auto
   // Once per process.
   bool ep_aten = false;       // COMMUX_EP_ATEN

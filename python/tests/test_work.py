@@ -421,12 +421,17 @@ def _backend(group=None):
 
 
 def _group_with(var, value):
-    """A new group of every rank created with the environment variable `var` set to `value`."""
+    """A new group of every rank created with the environment variable `var` set to `value`
+    (its previous value, e.g. one the whole run set, comes back afterwards)."""
+    before = os.environ.get(var)
     os.environ[var] = value
     try:
         return dist.new_group(list(range(dist.get_world_size())))
     finally:
-        del os.environ[var]
+        if before is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = before
 
 
 def _caller_runs(ctx):
@@ -480,7 +485,7 @@ def test_blocking_collectives_run_on_the_calling_thread(ranks, ws):
 
 
 def _schedules(ctx):
-    """COMMUX_SCHEDULE (on by default): an async CPU collective that may start at once starts on
+    """COMMUX_SCHEDULE=1 (off by default): an async CPU collective that may start at once starts on
     the calling thread as a schedule, and is resumed by whichever thread waits (or the group's
     thread): 8 async all_reduces on distinct tensors, with tagged p2p to both neighbours issued
     before them in one round and after them in the other, waited in a random order per rank.
@@ -489,7 +494,8 @@ def _schedules(ctx):
     import random
     W, me = ctx.world, ctx.rank
     right, left = (me + 1) % W, (me - 1) % W
-    be = _backend()
+    g = _group_with("COMMUX_SCHEDULE", "1")
+    be = _backend(g)
     rng = random.Random(1000 + me)
     before = be.scheduled_calls
     for rnd, p2p_first in enumerate((True, False)):
@@ -498,15 +504,15 @@ def _schedules(ctx):
         def p2p():
             out = torch.full((17,), float(me * 10 + rnd))
             got = torch.zeros(17)
-            works.append(dist.isend(out, right, tag=40 + rnd))
-            works.append(dist.irecv(got, left, tag=40 + rnd))
+            works.append(dist.isend(out, right, tag=40 + rnd, group=g))
+            works.append(dist.irecv(got, left, tag=40 + rnd, group=g))
             checks.append((f"round {rnd}: recv from {left}", got, torch.full((17,), float(left * 10 + rnd))))
 
         if p2p_first:
             p2p()
         for i in range(8):
             x = torch.full((64 + 100 * i,), float(me + i + rnd))
-            works.append(dist.all_reduce(x, async_op=True))
+            works.append(dist.all_reduce(x, async_op=True, group=g))
             checks.append((f"round {rnd}: async all_reduce #{i}", x,
                            torch.full((64 + 100 * i,), float(sum(r + i + rnd for r in range(W))))))
         if not p2p_first:
@@ -517,11 +523,11 @@ def _schedules(ctx):
         for what, got, want in checks:
             check_equal(what, got, want)
     started = be.scheduled_calls - before
-    g = _group_with("COMMUX_SCHEDULE", "0")
-    off = _backend(g)
+    g0 = _group_with("COMMUX_SCHEDULE", "0")
+    off = _backend(g0)
     for i in range(4):
         x = torch.full((5,), float(me + 1))
-        dist.all_reduce(x, group=g, async_op=True).wait()
+        dist.all_reduce(x, group=g0, async_op=True).wait()
         check_equal(f"all_reduce #{i} with COMMUX_SCHEDULE=0", x, torch.full((5,), float(W * (W + 1) // 2)))
     return {"started": started, "off": off.scheduled_calls}
 
@@ -545,6 +551,7 @@ def _blocked_cpu(ctx):
         return r.ru_utime + r.ru_stime
 
     W, me = ctx.world, ctx.rank
+    g = _group_with("COMMUX_SCHEDULE", "1")
     out = {}
     for mode in ("wait", "poll"):
         x = torch.full((1000,), float(me + 1))
@@ -552,7 +559,7 @@ def _blocked_cpu(ctx):
         if me != 0:
             time.sleep(1.5)
         c0, t0 = cpu_s(), time.monotonic()
-        w = dist.all_reduce(x, async_op=True)
+        w = dist.all_reduce(x, async_op=True, group=g)
         if mode == "poll":
             while not w.is_completed():
                 time.sleep(0.01)

@@ -51,12 +51,12 @@ const std::vector<Setting>& settings_table() {
        "the torch backend's Work.wait() on a CPU collective that has not started runs it (and any "
        "of its group queued before it) on the waiting thread, with no hand-off to the group's "
        "collective thread; off: the collective thread runs every collective"},
-      {"COMMUX_SCHEDULE", "bool", "on", kPerComm,
+      {"COMMUX_SCHEDULE", "bool", "off", kPerComm,
        "the torch backend starts an async CPU collective on the calling thread as a schedule "
        "(coll::Schedule): its first step is posted before the call returns, and later steps run "
        "on whichever thread resumes it (a waiter in Work.wait(), else a collective thread), "
-       "holding no thread while it waits; off: a collective thread runs it whole (needs "
-       "COMMUX_CALLER_RUNS)"},
+       "holding no thread while it waits (needs COMMUX_CALLER_RUNS); off: a collective thread runs "
+       "it whole. Off by default until it measures faster (docs/torch-backend.md)"},
       {"COMMUX_INFLIGHT", "auto/int", "auto", kPerComm,
        "the torch backend runs up to this many CPU collectives of one group at once, started in "
        "issue order; one whose tensors overlap a running one's waits for it, and a barrier, a "
