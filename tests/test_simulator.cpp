@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <complex>
 #include <cstdio>
 #include <cstring>
@@ -892,3 +893,48 @@ INSTANTIATE_TEST_SUITE_P(Modes, CallChecks,
                          [](const ::testing::TestParamInfo<LoopMode>& p) {
                            return p.param == LoopMode::kEager ? "Eager" : "Rendezvous";
                          });
+
+// The channel's default post_after (the loopback world has no progress path of its own): it waits
+// for the gate on the caller's thread, then posts; a gate that stays shut past the channel's
+// timeout is a timeout naming the operation and what it waited for, with nothing posted.
+TEST(Channel, DefaultPostAfterWaitsForTheGateThenPosts) {
+  struct FlagGate final : detail::Gate {
+    std::atomic<bool> flag{false};
+    bool open() override { return flag.load(); }
+    std::string describe() const override { return "the test flag"; }
+  };
+  Options quick = LoopbackWorld::default_options();
+  quick.timeout = std::chrono::milliseconds(200);
+  LoopbackWorld w(2, LoopMode::kRendezvous, quick);
+  const auto errors = w.run([](Communicator& comm) {
+    auto& ch = detail::channel(comm);
+    std::vector<int> v(8, comm.rank() == 0 ? 7 : 0);
+    Buffer b{v.data(), v.size() * sizeof(int)};
+    if (comm.rank() == 0) {
+      auto gate = std::make_shared<FlagGate>();
+      std::thread opener([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        gate->flag = true;
+      });
+      Request r = ch.post_after(gate, detail::Direction::kSend, "isend", &b, 1, 1, TagKind::kUser,
+                                3, false);
+      opener.join();
+      r.wait();
+      auto shut = std::make_shared<FlagGate>();
+      try {
+        ch.post_after(shut, detail::Direction::kSend, "isend", &b, 1, 1, TagKind::kUser, 4, false);
+        fail("a gate that never opened posted");
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        if (e.code() != Errc::kTimeout || m.find("isend") == std::string::npos ||
+            m.find("the test flag; nothing was posted") == std::string::npos)
+          fail("unexpected error: " + m);
+      }
+    } else {
+      ch.post_recv(&b, 1, 0, TagKind::kUser, 3).wait();
+      for (int x : v)
+        if (x != 7) fail("received " + std::to_string(x));
+    }
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}

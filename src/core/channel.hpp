@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <string>
 
 #include "commux/communicator.hpp"
 #include "commux/tag.hpp"
@@ -62,6 +63,19 @@ class RequestState {
   virtual std::chrono::milliseconds default_timeout() const noexcept = 0;
 };
 
+// A condition a post waits for before it reaches the transport: in the torch adapter, the
+// events recorded on a device tensor's streams (the kernels that write the tensor must be done
+// before UCX reads it). Polled, never blocked on, by whoever progresses the channel.
+class Gate {
+ public:
+  virtual ~Gate() = default;
+  // Whether the post may go now. Must not block; called with the channel's lock held, from any
+  // thread. An exception fails the post with its message (a device error, say).
+  virtual bool open() = 0;
+  // What the post waits for, for errors and timeouts ("the work queued on cuda:0's stream").
+  virtual std::string describe() const = 0;
+};
+
 class Channel {
  public:
   virtual ~Channel() = default;
@@ -74,6 +88,16 @@ class Channel {
   // Validation errors (peer, buffers) throw Error(kInvalidArgument) before anything is posted.
   virtual Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
                        int peer, TagKind kind, std::uint32_t tag, bool fast_completion) = 0;
+  // post(), held back until `gate` opens, returning at once. A later post that could otherwise
+  // overtake it in matching (same traffic kind, direction, tag and peer; for receives, an
+  // any-source one against any peer), gated or not, goes to the transport after it, so same-tag
+  // messages match in the order of the calls; other posts are not held up. A wait on the
+  // Request (or any progress) posts it once the gate is open; a timeout names what it waits for.
+  // Validation errors throw at once, as post()'s do. The default waits for the gate on the
+  // calling thread (polling it until options().timeout), then posts: correct, not asynchronous.
+  virtual Request post_after(std::shared_ptr<Gate> gate, Direction dir, const char* name,
+                             const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                             std::uint32_t tag, bool fast_completion);
   // Looks, without receiving it, for a message of traffic `kind` from `sender` (kAnySource: any)
   // that arrived and matched no receive, whose tag's user field equals `value` on the bits of
   // `mask` (the first such, in arrival order). For the cross-rank call checks of the collectives.

@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "commux/settings.hpp"
 #include "engine.hpp"
@@ -106,6 +109,25 @@ Request make_request(std::shared_ptr<RequestState> state) noexcept {
 RequestState* state_of(const Request& request) noexcept { return request.state_.get(); }
 
 Channel& channel(Communicator& comm) noexcept { return *comm.channel_; }
+
+Request Channel::post_after(std::shared_ptr<Gate> gate, Direction dir, const char* name,
+                            const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                            std::uint32_t tag, bool fast_completion) {
+  if (gate) {
+    const auto deadline = std::chrono::steady_clock::now() + options().timeout;
+    auto nap = std::chrono::microseconds(20);
+    while (!gate->open()) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        throw Error(Errc::kTimeout, ErrorSite{name, peer, tag, {}, std::to_string(options().group)},
+                    "waited " + std::to_string(options().timeout.count()) + " ms for " +
+                        gate->describe() + "; nothing was posted");
+      }
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    }
+  }
+  return post(dir, name, buffers, count, peer, kind, tag, fast_completion);
+}
 
 std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel) {
   if (!channel) throw Error(Errc::kInvalidArgument, "commux init: no channel given");

@@ -206,6 +206,8 @@ void Engine::shutdown() {
     unfinished_sinks_.clear();
     deferred_.clear();
     to_cancel_.clear();
+    worker_.held_changed(-static_cast<int>(held_.size()));  // finished above, never posted
+    held_.clear();
   }
   if (!failed) placement_.hub->release(placement_.group);
   // The wake fd stays open until the Hub goes, after this: waiting threads kick() it without the

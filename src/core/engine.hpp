@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,9 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   const RuntimeInfo& info() const noexcept override { return info_; }
   Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count, int peer,
                TagKind kind, std::uint32_t tag, bool fast_completion) override;
+  Request post_after(std::shared_ptr<Gate> gate, Direction dir, const char* name,
+                     const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                     std::uint32_t tag, bool fast_completion) override;
   bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
              Unexpected* out) override;
   std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override;
@@ -61,7 +65,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   // Requests (op.cpp); Op's RequestState methods call the last three.
   std::shared_ptr<Op> post_op(Op::Kind kind, const char* name, const Buffer* buffers,
                               std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
-                              bool fast_completion);
+                              bool fast_completion, std::shared_ptr<Gate> gate = nullptr);
   void wait(Op& op, std::chrono::milliseconds timeout);
   bool await(Op& op, std::chrono::milliseconds timeout, bool spin);
   bool test(Op& op);
@@ -87,6 +91,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   // deferred, then failing what waits on gone peers (receives only when UCX had nothing to do).
   // [mu]
   void step_locked(unsigned n) {
+    if (!held_.empty()) release_held_locked();
     if (!deferred_.empty() || !to_cancel_.empty()) run_deferred_locked();
     peers_.reap_locked(n == 0);
   }
@@ -98,7 +103,13 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
                       void* user_data);
   void validate(Op::Kind kind, const char* name, const Buffer* buffers, std::size_t count,
                 int peer) const;
+  // Gives a registered op to UCX: its first parts (all but an any-source receive's rest).
+  void start_locked(const std::shared_ptr<Op>& op);
   void post_locked(const std::shared_ptr<Op>& op, std::size_t first_part, bool fast_completion);
+  // Posts the held ops (Op::held) whose turn has come: each whose gate is open and that follows
+  // no earlier held op it could overtake in matching (same kind, direction, tag and peer). [mu]
+  void release_held_locked();
+  bool must_follow_held_locked(const Op& op) const;  // a held op it could overtake waits [mu]
   void post_part_locked(Op& op, std::size_t index, bool fast_completion);
   void part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,
                         const ucp_tag_recv_info_t* info);
@@ -130,6 +141,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::vector<std::shared_ptr<Op>> deferred_;   // [mu] any-source ops whose rest must post
   std::vector<std::shared_ptr<Op>> to_cancel_;  // [mu] ops whose other parts must be cancelled
   std::vector<std::shared_ptr<Op>> parked_;     // [mu] failed ops UCX still holds parts of
+  std::deque<std::shared_ptr<Op>> held_;        // [mu] posts held back (Op::held), call order
   std::vector<std::unique_ptr<char[]>> unfinished_sinks_;  // [mu] see discard_unexpected_locked
 };
 

@@ -65,7 +65,8 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
 
 std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffer* buffers,
                                     std::size_t count, int peer, TagKind tag_kind,
-                                    std::uint32_t tag, bool fast_completion) {
+                                    std::uint32_t tag, bool fast_completion,
+                                    std::shared_ptr<Gate> gate) {
   validate(kind, name, buffers, count, peer);
   auto op = std::make_shared<Op>();
   op->kind = kind;
@@ -114,12 +115,101 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
     }
   }
   worker_.register_locked(op);
-  // An any-source receive in parts learns its sender from part 0, then posts the rest.
-  const bool later_rest = kind == Op::Kind::kRecv && peer == kAnySource && nparts > 1;
-  op->remaining = later_rest ? 1 : static_cast<int>(nparts);
-  COMMUX_LOG(kTrace, rank_, "post ", name, " ", describe(*op));
-  post_locked(op, 0, fast_completion);
+  op->fast_completion = fast_completion;
+  // Held back: behind its gate, or behind an earlier held post it could otherwise overtake
+  // (call order is the order in which same-tag messages match). The progress thread polls it
+  // from now on.
+  if (gate || (!held_.empty() && must_follow_held_locked(*op))) {
+    op->held = true;
+    op->gate = std::move(gate);
+    held_.push_back(op);
+    worker_.held_changed(1);
+    COMMUX_LOG(kTrace, rank_, "hold ", name, " ", describe(*op));
+    release_held_locked();
+    if (op->held) worker_.kick();
+    return op;
+  }
+  start_locked(op);
   return op;
+}
+
+void Engine::start_locked(const std::shared_ptr<Op>& op) {
+  // An any-source receive in parts learns its sender from part 0, then posts the rest.
+  const bool later_rest =
+      op->kind == Op::Kind::kRecv && op->peer == kAnySource && op->parts.size() > 1;
+  op->remaining = later_rest ? 1 : static_cast<int>(op->parts.size());
+  COMMUX_LOG(kTrace, rank_, "post ", op->name, " ", describe(*op));
+  post_locked(op, 0, op->fast_completion);
+}
+
+namespace {
+// Whether `b`, called after `a`, could match a message that `a` should (or be matched by one of
+// its receiver's receives that `a`'s message should): same traffic kind, direction and tag, and
+// the same peer, or for receives an any-source one on either side. Such posts keep their order.
+bool ordered_after(const Op& a, const Op& b) {
+  if (a.tag_kind != b.tag_kind || a.kind != b.kind || a.tag != b.tag) return false;
+  return a.peer == b.peer ||
+         (a.kind == Op::Kind::kRecv && (a.peer == kAnySource || b.peer == kAnySource));
+}
+}  // namespace
+
+bool Engine::must_follow_held_locked(const Op& op) const {
+  return std::any_of(held_.begin(), held_.end(), [&](const std::shared_ptr<Op>& h) {
+    return !h->done.load() && ordered_after(*h, op);
+  });
+}
+
+void Engine::release_held_locked() {
+  for (std::size_t i = 0; i < held_.size() && !shut_down_ && !worker_.shut_down_locked();) {
+    const std::shared_ptr<Op> op = held_[i];
+    const auto drop = [&] {
+      held_.erase(held_.begin() + static_cast<std::ptrdiff_t>(i));
+      worker_.held_changed(-1);
+      op->held = false;
+    };
+    if (op->done.load()) {  // cancelled, or failed (its peer is gone) while held
+      drop();
+      continue;
+    }
+    // Behind an earlier held post it must follow: its turn comes after that one's.
+    bool behind = false;
+    for (std::size_t j = 0; j < i && !behind; ++j) {
+      behind = !held_[j]->done.load() && ordered_after(*held_[j], *op);
+    }
+    if (behind) {
+      ++i;
+      continue;
+    }
+    if (op->gate) {
+      bool open = false;
+      std::string failed;
+      try {
+        open = op->gate->open();
+      } catch (const std::exception& e) {
+        failed = e.what();
+      } catch (...) {
+        failed = "an unknown exception";
+      }
+      if (!failed.empty()) {
+        // Loud, on this op's waits; the posts behind it go on in their order.
+        const std::string what = op->gate->describe();
+        drop();
+        op->gate.reset();
+        op->has_override = true;
+        op->override_code = Errc::kTransport;
+        op->override_reason = "nothing was posted: checking " + what + " failed: " + failed;
+        finish_locked(*op);
+        continue;
+      }
+      if (!open) {
+        ++i;
+        continue;
+      }
+    }
+    drop();
+    op->gate.reset();
+    start_locked(op);
+  }
 }
 
 void Engine::post_locked(const std::shared_ptr<Op>& op, std::size_t first_part,
@@ -322,6 +412,13 @@ void Engine::finish_locked(Op& op) {
 
 void Engine::fail_op_locked(Op& op, Errc code, const std::string& reason, bool linger) {
   if (op.done.load()) return;
+  if (op.held) {  // UCX never had it: finished at once (release_held_locked drops it)
+    op.has_override = true;
+    op.override_code = code;
+    op.override_reason = reason;
+    finish_locked(op);
+    return;
+  }
   const bool lingering = op.lingering_since != std::chrono::steady_clock::time_point{};
   if (linger && lingering) return;           // cancelled already
   const std::shared_ptr<Op> keep = op.self;  // cancelling may finish it
@@ -365,6 +462,13 @@ Request Engine::post(Direction dir, const char* name, const Buffer* buffers, std
                      int peer, TagKind kind, std::uint32_t tag, bool fast_completion) {
   return make_request(post_op(dir == Direction::kSend ? Op::Kind::kSend : Op::Kind::kRecv, name,
                               buffers, count, peer, kind, tag, fast_completion));
+}
+
+Request Engine::post_after(std::shared_ptr<Gate> gate, Direction dir, const char* name,
+                           const Buffer* buffers, std::size_t count, int peer, TagKind kind,
+                           std::uint32_t tag, bool fast_completion) {
+  return make_request(post_op(dir == Direction::kSend ? Op::Kind::kSend : Op::Kind::kRecv, name,
+                              buffers, count, peer, kind, tag, fast_completion, std::move(gate)));
 }
 
 bool Op::test() { return engine->test(*this); }
@@ -477,6 +581,11 @@ std::size_t Engine::discard(TagKind kind, std::uint32_t value, std::uint32_t mas
 void Engine::cancel(Op& op) {
   std::lock_guard<std::mutex> lock(worker_.mutex());
   if (op.done.load() || shut_down_ || worker_.shut_down_locked()) return;
+  if (op.held) {  // never posted: cancelled now
+    op.status = UCS_ERR_CANCELED;
+    finish_locked(op);
+    return;
+  }
   op.cancel_parts_locked(worker_.handle());
 }
 
@@ -493,6 +602,10 @@ std::string Engine::describe(const Op& op) const {
   if (op.buffers.size() > 1) s += " in " + std::to_string(op.buffers.size()) + " buffers";
   s += ", group " + std::to_string(options_.group) + ", rank " + std::to_string(rank_) + " of " +
        std::to_string(size_);
+  if (op.held) {
+    s += "; not posted yet: waiting for " +
+         (op.gate ? op.gate->describe() : std::string("an earlier post held back before it"));
+  }
   return s;
 }
 

@@ -78,6 +78,14 @@ struct Op final : RequestState {
   Op* prev = nullptr;
   Op* next = nullptr;
 
+  // [mu] Held back by Channel::post_after: registered (waits, cancel, shutdown and peer failure
+  // see it) but not yet given to UCX, which holds none of its parts. `gate` is what it waits
+  // for (none: only for an earlier held post it must not overtake); Engine::release_held_locked
+  // posts it once the gate is open and those are out.
+  bool held = false;
+  std::shared_ptr<Gate> gate;
+  bool fast_completion = false;
+
   std::atomic<bool> done{false};
   // Written under the worker mutex before `done` is set, read after it is seen set.
   int remaining = 0;                      // [mu] UCX messages not yet complete

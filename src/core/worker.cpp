@@ -163,8 +163,20 @@ void Worker::progress_thread_main() {
       if (efd_ >= 0 && n == 0) busy = ucp_worker_arm(worker_) == UCS_ERR_BUSY;
     }
     const bool in_flight = inflight_count_.load() > 0;
+    // A post held behind a gate (a device stream's event) raises no event when the gate opens:
+    // poll for it, backing off from 5 us to kHeldPoll.
+    const bool holding = held_.load() > 0;
     if (efd_ >= 0) {
-      if (n > 0 || busy) continue;
+      if (n > 0 || busy) {
+        idle = kMinIdle;
+        continue;
+      }
+      if (holding) {
+        idle = std::min<std::chrono::microseconds>(idle + idle / 4 + std::chrono::microseconds(1),
+                                                   kHeldPoll);
+        if (wait_for_kick(idle, efd_)) idle = kMinIdle;
+        continue;
+      }
       // Event mode: sleep until the worker's fd fires; wake at least every 10 ms while work is in
       // flight (transports whose pending queues raise no event, keepalive).
       wait_for_kick(std::chrono::milliseconds(in_flight ? 10 : 100), efd_);
@@ -177,7 +189,9 @@ void Worker::progress_thread_main() {
     // Grow by 1/4 per idle poll: the interval stays about a fifth of the time since the last
     // activity, so a completion is noticed late by at most ~20% of the wait, and a long wait
     // settles at the cap (2 ms while work is in flight, 20 ms otherwise).
-    const auto cap = in_flight ? std::chrono::microseconds(2000) : std::chrono::microseconds(20000);
+    const auto cap = holding     ? kHeldPoll
+                     : in_flight ? std::chrono::microseconds(2000)
+                                 : std::chrono::microseconds(20000);
     idle = std::min(idle + idle / 4 + std::chrono::microseconds(1), cap);
     if (wait_for_kick(idle, -1)) idle = kMinIdle;
   }

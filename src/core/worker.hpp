@@ -107,6 +107,10 @@ class Worker {
       done_cv_.notify_all();
     }
   }
+  // Posts held back behind a gate (Engine::post_after), over every Engine: while there are any,
+  // the progress thread polls at least every kHeldPoll, so a post whose gate opens goes out
+  // within that even when nobody waits on it.
+  void held_changed(int delta) noexcept { held_.fetch_add(delta); }
   // Wakes the progress thread (no lock needed).
   void kick() noexcept;
   // How a spinning waiter's poll that finds nothing to do treats the CPU (Options::yield):
@@ -139,6 +143,8 @@ class Worker {
   // progress thread at once only while one is in flight (wait()).
   static constexpr std::size_t kBackgroundBytes = 4096;
   std::atomic<int> inflight_large_{0};
+  std::atomic<int> held_{0};
+  static constexpr std::chrono::microseconds kHeldPoll{200};
   std::atomic<int> spinners_{0};     // threads spinning in wait(): the progress thread stays off
   std::atomic<int> sleepers_{0};     // threads sleeping in wait(): completions notify done_cv_
   std::atomic<bool> parked_{false};  // the progress thread is staying off for a spinner
