@@ -155,6 +155,49 @@ def test_stream_ordering_of_p2p(ranks, count):
     assert all(ranks.run(_recv_after_queued_write, count))
 
 
+def _p2p_returns_while_the_stream_is_busy(ctx, count):
+    """isend / irecv of a CUDA tensor whose stream is still busy return at once (the stream is
+    still running when they return), the post waits for the stream in commux's progress path, and
+    call order is kept: a CPU send of the same tag after it arrives after it; another tag's is not
+    held up."""
+    d = dev(ctx)
+    if ctx.rank == 0:
+        t = torch.zeros(count, device=d)
+        torch.cuda._sleep(4 * SLEEP_CYCLES)
+        t.fill_(42.0)  # queued behind the kernel
+        w1 = dist.isend(t, dst=1, tag=11)
+        busy = not torch.cuda.current_stream(d).query()
+        w2 = dist.isend(torch.full((count,), 7.0), dst=1, tag=11)  # must arrive second
+        w3 = dist.isend(torch.full((3,), 3.0), dst=1, tag=12)
+        assert busy, "isend of a CUDA tensor waited for its stream before returning"
+        for w in (w3, w2, w1):
+            w.wait()
+    elif ctx.rank == 1:
+        other = torch.zeros(3)
+        dist.recv(other, src=0, tag=12)
+        assert bool((other == 3.0).all())
+        out = torch.zeros(count, device=d)
+        torch.cuda._sleep(4 * SLEEP_CYCLES)
+        out.fill_(-1.0)
+        w = dist.irecv(out, src=0, tag=11)
+        busy = not torch.cuda.current_stream(d).query()
+        second = torch.zeros(count)
+        dist.recv(second, src=0, tag=11)
+        w.wait()
+        assert busy, "irecv of a CUDA tensor waited for its stream before returning"
+        got = out.cpu()
+        assert bool((got == 42.0).all()), f"first tag-11 message: {got[:4].tolist()}..."
+        assert bool((second == 7.0).all()), f"second tag-11 message: {second[:4].tolist()}..."
+    return True
+
+
+@needs_cuda
+@worlds(2)
+@pytest.mark.parametrize("count", [1000, 1 << 22])
+def test_p2p_of_a_busy_stream_returns_at_once_in_call_order(ranks, count):
+    assert all(ranks.run(_p2p_returns_while_the_stream_is_busy, count))
+
+
 # ---------------------------------------------------------------------------------------------
 # Collectives
 

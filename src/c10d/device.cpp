@@ -199,6 +199,35 @@ void StreamFence::wait(std::chrono::steady_clock::time_point deadline, const cha
   }
 }
 
+bool StreamFence::reached() const {
+  for (const auto& ev : events_) {
+    if (!ev.query()) return false;
+  }
+  return true;
+}
+
+std::string StreamFence::describe() const {
+  std::string devs;
+  for (const auto& d : devices_) devs += (devs.empty() ? "" : ", ") + d.str();
+  return "the work queued on the current stream of " + devs + " before the operation";
+}
+
+namespace {
+class FenceGate final : public detail::Gate {
+ public:
+  explicit FenceGate(StreamFence fence) : fence_(std::move(fence)) {}
+  bool open() override { return fence_.reached(); }
+  std::string describe() const override { return fence_.describe(); }
+
+ private:
+  StreamFence fence_;
+};
+}  // namespace
+
+std::shared_ptr<detail::Gate> fence_gate(StreamFence fence) {
+  return std::make_shared<FenceGate>(std::move(fence));
+}
+
 struct DeviceStreams::PerDevice {
   c10::Stream stream;
   AtenDeviceOps ops;

@@ -8,8 +8,10 @@
 //
 // Ordering, for a device tensor handed to an operation:
 //   * before UCX reads or writes it: a StreamFence records an event on the current stream of the
-//     tensor's device when the operation is issued, and the thread that posts to UCX waits on that
-//     event (a host wait on one event, never a device synchronize);
+//     tensor's device when the operation is issued. A collective's thread waits on that event (a
+//     host wait on one event, never a device synchronize); a point-to-point operation returns at
+//     once and its post is held back in core until the event has fired (fence_gate), polled by
+//     whoever progresses, in call order with the group's other point-to-point posts;
 //   * device work a collective does itself (reductions, packing, scaling) runs on a stream of the
 //     backend's own (DeviceStreams) and is synchronized before UCX reads its result and before the
 //     operation completes, so after wait() the data is visible to every stream;
@@ -31,6 +33,7 @@
 
 #include "commux/collectives.hpp"
 #include "commux/communicator.hpp"
+#include "../core/channel.hpp"
 
 namespace commux::c10d_detail {
 
@@ -62,11 +65,19 @@ class StreamFence {
   // then throws commux::Error(kTimeout) naming `op` and the device (a hung or endless kernel
   // before the operation must not hang the caller or the worker thread).
   void wait(std::chrono::steady_clock::time_point deadline, const char* op) const;
+  // Whether every stream has reached its event (polls, never blocks).
+  bool reached() const;
+  // "the work queued on cuda:0's current stream before the operation".
+  std::string describe() const;
 
  private:
   std::vector<c10::Event> events_;
   std::vector<c10::Device> devices_;
 };
+
+// A gate (core's Channel::post_after) that opens once `fence` is reached: a point-to-point
+// post of a device tensor waits for its stream's work without blocking the caller.
+std::shared_ptr<detail::Gate> fence_gate(StreamFence fence);
 
 // The backend's own stream per device, where it runs its device work, plus a coll::DeviceOps per
 // device that runs the collectives' reductions and copies there with ATen. Used by the worker

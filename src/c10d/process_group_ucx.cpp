@@ -772,15 +772,20 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
   }
   Request r;
   try {
-    // UCX reads (or overwrites) the tensors from now on: the work queued on their streams before
-    // this call must be complete. This waits on an event, not on the whole device.
-    if (device) StreamFence(tensors).wait(Clock::now() + timeout_, op);
-    r = type == c10d::OpType::SEND
-            ? commux::detail::channel(*comm_).post_send(b, tensors.size(), peer, TagKind::kUser,
-                                                        static_cast<std::uint32_t>(tag),
-                                                        /*fast_completion=*/true)
-            : commux::detail::channel(*comm_).post_recv(b, tensors.size(), peer, TagKind::kUser,
-                                                        static_cast<std::uint32_t>(tag));
+    // UCX reads (or overwrites) the tensors once posted: the work queued on their streams before
+    // this call must be complete first. With work still queued the post is held back in core
+    // behind an event on each stream, and this returns at once; core posts it when the events
+    // have fired, after the group's earlier point-to-point posts and before its later ones.
+    auto& ch = commux::detail::channel(*comm_);
+    const auto dir = type == c10d::OpType::SEND ? commux::detail::Direction::kSend
+                                                : commux::detail::Direction::kRecv;
+    StreamFence fence;
+    if (device) fence = StreamFence(tensors);
+    r = fence.empty() ? ch.post(dir, op, b, tensors.size(), peer, TagKind::kUser,
+                                static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND)
+                      : ch.post_after(c10d_detail::fence_gate(std::move(fence)), dir, op, b,
+                                      tensors.size(), peer, TagKind::kUser,
+                                      static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND);
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }
