@@ -40,7 +40,7 @@ OLDER_TORCH=(2.11 2.12)
 SUITE_TORCH=2.11   # the release the subset of the Python suite runs on as well
 # The tsan stage's tests: ranks as threads (collectives), threads posting at once (p2p), shutdown
 # racing waiters (test_threads).
-TSAN_TESTS='^(Threads\.|P2P\.ManyThreadsPostAndWait$|collectives\.WorldSizes/Threads\.EveryCollective/[2-58]$|collectives\.WorldSizes/Forced\.EveryAlgorithmOfEveryCollective/[34]$|collectives\.Collectives\.(ConcurrentCollectivesWithDistinctTags|SchedulesInFlightDrivenFromTwoThreads)$)'
+TSAN_TESTS='^(Threads\.|P2P\.ManyThreadsPostAndWait$|HeldPosts\.|collectives\.WorldSizes/Threads\.EveryCollective/[2-58]$|collectives\.WorldSizes/Forced\.EveryAlgorithmOfEveryCollective/[34]$|collectives\.Collectives\.(ConcurrentCollectivesWithDistinctTags|SchedulesInFlightDrivenFromTwoThreads)$)'
 
 run_ctest() {  # build dir [extra ctest args]
   local dir=$1
