@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "commux/collectives.hpp"
+#include "channel.hpp"
 #include "harness.hpp"
 
 using namespace commux;
@@ -141,6 +143,47 @@ TEST(Failures, DeadPeerFailsPendingOps) {
         const auto s0 = Clock::now();
         c.shutdown();
         CX_CHECK(Clock::now() - s0 < c.options().shutdown_timeout + std::chrono::seconds(1));
+      },
+      o);
+}
+
+// A receive held behind a gate (detail::Channel::post_after) from a peer that has died is not
+// failed while held: the peer's last message may be waiting in UCX, and the receive gets it once
+// its gate opens. Posted after that with nothing left to match, it fails as any receive does.
+TEST(Failures, HeldReceiveStillGetsADeadPeersLastMessage) {
+  struct FlagGate final : detail::Gate {
+    std::atomic<bool> flag{false};
+    bool open() override { return flag.load(); }
+    std::string describe() const override { return "the test flag"; }
+  };
+  RunOptions o;
+  o.expect_killed = {1};
+  run_ranks(
+      2,
+      [](Communicator& c) {
+        if (c.rank() == 1) {
+          std::vector<unsigned char> last(64, 11);
+          c.send({buf(last)}, 0, 5);  // before the handshake's: it arrives first
+          handshake(c);
+          ::raise(SIGKILL);
+        }
+        handshake(c);
+        std::vector<unsigned char> in(64), more(64);
+        Buffer b = buf(in), m = buf(more);
+        auto gate = std::make_shared<FlagGate>();
+        Request r = detail::channel(c).post_after(gate, detail::Direction::kRecv, "irecv", &b, 1, 1,
+                                                  TagKind::kUser, 5, false);
+        Request r2 = detail::channel(c).post_after(gate, detail::Direction::kRecv, "irecv", &m, 1,
+                                                   1, TagKind::kUser, 5, false);
+        // Long past the death's detection (a same-host check every 200 ms) and the receive grace.
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        CX_CHECK(!r.done() && !r2.done());
+        gate->flag = true;
+        r.wait(std::chrono::seconds(20));
+        CX_CHECK(in == std::vector<unsigned char>(64, 11));
+        const std::string msg =
+            expect_error(Errc::kPeerFailed, [&] { r2.wait(std::chrono::seconds(20)); });
+        CX_CHECK_HAS(msg, "peer 1");
       },
       o);
 }

@@ -184,6 +184,9 @@ void Peers::reap_failed_locked(bool idle) {
   for (const std::shared_ptr<Op>& op : worker_.inflight_snapshot_locked()) {
     if (op->done.load() || !mine(*op)) continue;  // the shared worker holds other groups' ops
     if (op->has_override && op->override_code != Errc::kPeerFailed) continue;  // finishing
+    // A receive held behind its gate (Engine::post_after) has not looked for the gone peer's
+    // messages yet: one may be waiting in UCX. It is judged once posted.
+    if (op->held && op->kind == Op::Kind::kRecv) continue;
     // The peer this op is with: for an any-source receive, its sender once part 0 matched.
     const int with = op->peer != kAnySource ? op->peer
                                             : (op->remaining > 0 && op->parts.size() > 1 &&
