@@ -236,7 +236,10 @@ const Algorithm<A>& choose(Exchange& ex, const Table<A>& tab, int n, const A& a,
     if (al == nullptr) unknown_algorithm(ctx, tab.coll, forced.c_str(), source);
     if (ok(al)) chosen = al;
   }
-  if (chosen == nullptr && preferred != nullptr && ok(find(preferred))) chosen = find(preferred);
+  if (chosen == nullptr && preferred != nullptr) {
+    const Algorithm<A>* al = find(preferred);
+    if (ok(al)) chosen = al;
+  }
   for (std::size_t i = 0; chosen == nullptr && i < tab.size; ++i) {
     if (ok(tab.list[i])) chosen = tab.list[i];
   }

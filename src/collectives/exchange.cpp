@@ -34,7 +34,34 @@ struct Parked {
 // all_reduce a pool thread finished).
 constexpr std::size_t kPoolBytes = std::size_t{64} << 20;
 
+// Small scratch (a reduce of a few elements takes one buffer per call) comes from slots of
+// kSmallBytes taken and given back with one atomic exchange each, without the pool's lock.
+constexpr std::size_t kSmallBytes = 4096;
+constexpr std::size_t kSmallSlots = 16;
+
 struct Pool {
+  std::atomic<char*> small[kSmallSlots] = {};  // free kSmallBytes buffers, or nullptr
+
+  char* take_small() noexcept {
+    for (auto& slot : small) {
+      if (slot.load(std::memory_order_relaxed) == nullptr) continue;
+      char* p = slot.exchange(nullptr, std::memory_order_acquire);
+      if (p != nullptr) return p;
+    }
+    return nullptr;
+  }
+  // Keeps `p` (kSmallBytes) in a free slot; false when every slot is full.
+  bool give_small(char* p) noexcept {
+    for (auto& slot : small) {
+      char* expected = nullptr;
+      if (slot.load(std::memory_order_relaxed) == nullptr &&
+          slot.compare_exchange_strong(expected, p, std::memory_order_release)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   std::mutex mu;                                                      // guards everything below
   std::vector<std::pair<std::size_t, std::unique_ptr<char[]>>> bufs;  // (size, memory)
   std::size_t total = 0;
@@ -129,14 +156,13 @@ Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
   chan_ = &::commux::detail::channel(*ctx.comm);
   rank_ = chan_->rank();
   size_ = chan_->size();
-  const auto now = Clock::now();
   if (ctx.deadline == Clock::time_point::max()) {
-    deadline_ = now + chan_->options().timeout;
+    deadline_ = Clock::now() + chan_->options().timeout;
   } else {
     deadline_ = ctx.deadline;
   }
   wire_ = call_wire_tag(ctx_.tag, 0);  // until identify()
-  reqs_.reserve(kInlineRequests);
+  reqs_.reserve(kInlineRequests);      // in room_
   reap_parked();
   if (ctx_.device != nullptr) ctx_.device->synchronize();  // the caller's device work on inputs
 }
@@ -146,6 +172,8 @@ Exchange::~Exchange() {
   for (auto& sc : scratch_) {
     if (sc.device != nullptr) {
       ctx_.device->release(sc.device);
+    } else if (sc.size == kSmallBytes) {
+      if (pool().give_small(sc.data.get())) static_cast<void>(sc.data.release());
     } else {
       Pool& p = pool();
       std::lock_guard<std::mutex> g(p.mu);
@@ -191,7 +219,8 @@ void Exchange::wait(std::size_t id) {
   // Wait in slices; between them, look for signs that another rank is in a different call (a
   // notice, or a message with this call's tag slot but another fingerprint). The first slice spins
   // as a plain wait does, so a collective that completes in time costs nothing more.
-  // (One clock read on the way, as a plain wait: small collectives pay nothing measurable.)
+  // (At most one clock read on the way, as a plain wait: small collectives pay nothing
+  // measurable.)
   ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
   try {
     // Inside a Schedule: suspend instead of blocking, until the request finishes or the deadline
@@ -200,7 +229,8 @@ void Exchange::wait(std::size_t id) {
       Schedule::Impl* s = current_schedule();
       if (s != nullptr && !blocking(s)) suspend_for(s, id);
     }
-    auto left = remaining();
+    // Finished already (a small message found at the post): no clock read, wait() only reports.
+    auto left = st != nullptr && st->finished() ? std::chrono::milliseconds(0) : remaining();
     if (st != nullptr && left > kFirstCheck) {
       for (bool first = true;; first = false) {
         if (st->await(first ? kFirstCheck : kCheckEvery, first)) {
@@ -249,14 +279,27 @@ void Exchange::wait_all() {
 
 std::size_t Exchange::bytes(std::size_t id) const { return reqs_[id].req.bytes(); }
 
+void Exchange::room_for_scratch() {
+  // Doubling: the arena keeps every block it handed out until the call ends.
+  if (scratch_.size() == scratch_.capacity())
+    scratch_.reserve(std::max<std::size_t>(4, 2 * scratch_.size()));
+}
+
 char* Exchange::scratch(std::size_t bytes) {
   if (ctx_.device != nullptr) {
-    scratch_.reserve(scratch_.size() + 1);  // so that push_back cannot throw and leak the memory
+    room_for_scratch();  // so that push_back cannot throw and leak the memory
     void* p = ctx_.device->allocate(bytes);
     scratch_.push_back(Scratch{nullptr, bytes, p});
     return static_cast<char*>(p);
   }
   Pool& p = pool();
+  room_for_scratch();
+  if (bytes <= kSmallBytes) {
+    std::unique_ptr<char[]> b(p.take_small());
+    if (!b) b.reset(new char[kSmallBytes]);
+    scratch_.push_back(Scratch{std::move(b), kSmallBytes, nullptr});
+    return scratch_.back().data.get();
+  }
   std::unique_lock<std::mutex> g(p.mu);
   auto b = p.take(bytes);
   g.unlock();

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <memory_resource>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,7 @@ class Exchange {
   [[noreturn]] void rethrow(const Error& e);
   void abort() noexcept;
   std::string cleanup_note() const;
+  void room_for_scratch();
 
   Context ctx_;
   std::string call_text_;  // ctx_.call_text points here
@@ -148,13 +150,16 @@ class Exchange {
   Clock::time_point deadline_;
   const char* phase_ = nullptr;
   // Every request posted, and whether it was waited for successfully (its outcome has been seen).
-  // Most calls post a few: room for them is made at once (one allocation per call).
+  // Most calls post a few: they live in room inside the Exchange (no allocation per call); a call
+  // that posts more takes the rest from the heap.
   struct Posted {
     Request req;
     bool waited = false;
   };
   static constexpr std::size_t kInlineRequests = 8;
-  std::vector<Posted> reqs_;
+  alignas(std::max_align_t) unsigned char room_[(kInlineRequests * sizeof(Posted) + 64) * 2];
+  std::pmr::monotonic_buffer_resource arena_{room_, sizeof(room_)};
+  std::pmr::vector<Posted> reqs_{&arena_};
   std::size_t first_open_ = 0;  // every request before this index has been waited for
   std::size_t stuck_ = 0;       // requests abort() had to park
   struct Scratch {
@@ -162,7 +167,7 @@ class Exchange {
     std::size_t size = 0;
     void* device = nullptr;  // or device scratch (Context::device)
   };
-  std::vector<Scratch> scratch_;
+  std::pmr::vector<Scratch> scratch_{&arena_};
 };
 
 // Keeps a request that may still be in flight, with the memory it uses, until it completes

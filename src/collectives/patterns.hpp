@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <iterator>
 #include <vector>
 
 namespace commux::coll::pattern {
@@ -92,9 +93,32 @@ inline RecursiveDoubling recursive_doubling(int r, int n) {
 // the children of vr are vr + m for the powers of two m below vr's lowest set bit (below n for the
 // root) with vr + m < n. `children` lists them largest subtree first: broadcast sends in this
 // order, reduce receives in the reverse order (smallest subtree first, as it is ready first).
+// At most 31 children (one per bit of an int rank), kept inline: small collectives build a tree
+// per call and should not allocate for it.
+class Children {
+ public:
+  static constexpr int kMax = 31;
+  void push_back(int r) noexcept { v_[n_++] = r; }
+  std::size_t size() const noexcept { return static_cast<std::size_t>(n_); }
+  bool empty() const noexcept { return n_ == 0; }
+  int operator[](std::size_t i) const noexcept { return v_[i]; }
+  const int* begin() const noexcept { return v_; }
+  const int* end() const noexcept { return v_ + n_; }
+  std::reverse_iterator<const int*> rbegin() const noexcept {
+    return std::reverse_iterator<const int*>(end());
+  }
+  std::reverse_iterator<const int*> rend() const noexcept {
+    return std::reverse_iterator<const int*>(begin());
+  }
+
+ private:
+  int v_[kMax];  // [0, n_) set; not zeroed (a tree is built per call)
+  int n_ = 0;
+};
+
 struct Tree {
-  int parent = -1;            // real rank, -1 at the root
-  std::vector<int> children;  // real ranks, largest subtree first
+  int parent = -1;    // real rank, -1 at the root
+  Children children;  // real ranks, largest subtree first
 };
 
 inline Tree binomial_tree(int r, int n, int root) {
