@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import mp
-from helpers import check_equal, make
+from helpers import check_equal, expect_raises, make
 from suite import worlds
 
 pytestmark = pytest.mark.ucx
@@ -60,6 +60,15 @@ def _futures(ctx):
         ok = w.wait(timeout=timedelta(seconds=30))
         assert ok is True, f"{name}: wait(timeout) returned {ok!r}"
         assert w.is_completed(), f"{name}: is_completed() False after wait()"
+
+        # the future asked for only after the Work completed (commux makes it then, settled)
+        v = torch.full((7,), float(me + 1))
+        w = dist.all_reduce(v, async_op=True, group=group)
+        w.wait()
+        fut = w.get_future()
+        assert fut.done(), f"{name}: a finished Work's future is not done"
+        check_equal(f"{name}: future asked for after wait()", fut.wait()[0], torch.full((7,), tri))
+        assert w.get_future().wait()[0] is fut.wait()[0], f"{name}: a second get_future() differs"
         res[name] = "ok"
     return res
 
@@ -67,6 +76,36 @@ def _futures(ctx):
 @worlds()
 def test_futures_and_wait(ranks, ws):
     assert ranks.run(_futures, timeout=30) == [{"test": "ok", "gloo": "ok"}] * ws
+
+
+def _failed_future(ctx):
+    """A collective that fails (rank 0 all-reduces, rank 1 broadcasts: the call check fails both)
+    carries its error in the future asked for after the failure, as in one asked for before it."""
+    me = ctx.rank
+    out = {}
+    for when in ("before", "after"):
+        x = torch.ones(1000)
+        w = dist.all_reduce(x, async_op=True) if me == 0 else dist.broadcast(x, src=0, async_op=True)
+        fut = w.get_future() if when == "before" else None
+        waited = expect_raises(w.wait)
+        if fut is None:
+            fut = w.get_future()
+        got = expect_raises(fut.wait)
+        out[when] = (waited["raised"], got["raised"], got["msg"][:300])
+        y = torch.full((3,), float(me + 1))
+        dist.all_reduce(y)  # the group goes on
+        check_equal(f"all_reduce after the failed call ({when})", y, torch.full((3,), 3.0))
+    return out
+
+
+@worlds(2)
+def test_future_of_a_failed_collective_carries_its_error(ranks, ws):
+    for me, res in enumerate(ranks.run(_failed_future, timeout=60)):
+        for when, (waited, raised, msg) in res.items():
+            assert waited, f"rank {me}: wait() of the mismatched call did not raise ({when})"
+            assert raised, f"rank {me}: the future asked for {when} the failure did not fail"
+            assert "all_reduce" in msg.lower() or "allreduce" in msg.lower(), (
+                f"rank {me}: the future's error ({when}) does not name the call: {msg}")
 
 
 def _is_completed(ctx, poll_only):

@@ -127,6 +127,9 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
       size_(size),
       name_(std::move(name)),
       group_name_(std::move(group_name)),
+      where_(std::make_shared<const std::string>("group '" + group_name_ + "', rank " +
+                                                 std::to_string(rank) + " of " +
+                                                 std::to_string(size))),
       timeout_(timeout) {
   commux::Options o = commux::Options::from_env();
   o.timeout = timeout;
@@ -194,11 +197,6 @@ int ProcessGroupUCX::inflight() const { return impl_->inflight_; }
 
 std::uint64_t ProcessGroupUCX::scheduled_calls() const {
   return impl_->scheduled_calls_.load(std::memory_order_relaxed);
-}
-
-std::string ProcessGroupUCX::Impl::where() const {
-  return "group '" + group_name_ + "', rank " + std::to_string(getRank()) + " of " +
-         std::to_string(getSize());
 }
 
 void ProcessGroupUCX::Impl::shutdown() {
@@ -607,7 +605,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
   t->keep_alive = std::move(keep_alive);
   t->outputs = std::move(outputs);
   t->body = std::move(body);
-  t->future = c10d_detail::make_tensor_list_future();
   // A collective's tensors share one device (validated); on a device, fence the issuing stream.
   for (const auto* list : {&t->outputs, &t->keep_alive}) {
     for (const auto& x : *list) {
@@ -687,7 +684,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
       start_schedule(t);
     }
   }
-  return track(c10::make_intrusive<CollWork>(getRank(), std::move(t), limit, where()));
+  return track(c10::make_intrusive<CollWork>(getRank(), std::move(t), limit, where_));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::track(c10::intrusive_ptr<c10d::Work> work) {

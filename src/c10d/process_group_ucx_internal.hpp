@@ -202,12 +202,14 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::shared_ptr<c10d_detail::Task> take_front_locked();
   // [mu_] A task taken by take_front_locked() has run.
   void ran_locked(const c10d_detail::Task& t);
-  std::string where() const;
+  const std::string& where() const { return *where_; }
 
   int rank_;
   int size_;
   std::string name_;
   std::string group_name_;
+  // "group 'G', rank R of N", built once: every Work's error messages share it.
+  std::shared_ptr<const std::string> where_;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Communicator> comm_;
 

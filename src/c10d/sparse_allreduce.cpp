@@ -70,10 +70,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_sparse(
     invalid(kOp, "sparse tensors are supported on CPU only (got one on " + t.device().str() + ")");
   }
   const int size = getSize();
-  const std::string where_ = where();
+  const std::string group_text = where();
   return enqueue(
       c10d::OpType::ALLREDUCE, kOp, opts.timeout, opts.asyncOp, {}, tensors,
-      [this, t, size, where_](std::uint32_t tag, c10d_detail::Clock::time_point dl) mutable {
+      [this, t, size, group_text](std::uint32_t tag, c10d_detail::Clock::time_point dl) mutable {
         const at::AutoDispatchBelowAutograd no_autograd;  // plain tensors, as in Gloo
         const at::Tensor in = t.coalesce();
         const at::Tensor idx = in._indices().contiguous();
@@ -95,13 +95,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_sparse(
                          "-dimensional tensor with " + std::to_string(head(r, 1)) +
                          " sparse dimensions but rank 0 one of " + std::to_string(head(0, 0)) +
                          " with " + std::to_string(head(0, 1)),
-                     where_);
+                     group_text);
           }
           if (head(r, 3) != head(0, 3)) {
             mismatch("rank " + std::to_string(r) + " has dtype " +
                          c10::toString(static_cast<c10::ScalarType>(head(r, 3))) + " but rank 0 " +
                          c10::toString(static_cast<c10::ScalarType>(head(0, 3))),
-                     where_);
+                     group_text);
           }
         }
         const std::int64_t ndim = in.dim(), sdim = in.sparse_dim();
@@ -123,7 +123,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_sparse(
                          c10::str(c10::IntArrayRef(sizes.data_ptr<std::int64_t>(), ndim)) +
                          " but rank 0 " +
                          c10::str(c10::IntArrayRef(ints.data_ptr<std::int64_t>(), ndim)),
-                     where_);
+                     group_text);
           }
           idxs.push_back(ints.narrow(0, off + ndim, sdim * head(r, 2)).view({sdim, head(r, 2)}));
           off += counts[r];

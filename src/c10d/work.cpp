@@ -13,7 +13,8 @@
 namespace commux::c10d_detail {
 
 c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future() {
-  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  // (torch's shared List[Tensor] type: creating one per call was a measurable part of it.)
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
 }
 
 // --- interrupts (Ctrl-C) ----------------------------------------------------------------------
@@ -59,23 +60,45 @@ void poll_interrupt() {
 
 void Task::finish(std::exception_ptr e) {
   e = to_torch_error(e);
+  c10::intrusive_ptr<c10::ivalue::Future> f;
   {
     std::lock_guard<std::mutex> lk(mu);
     error = e;
     done = true;
     finished.store(true, std::memory_order_release);
+    f = future;
   }
   cv.notify_all();
-  // Future callbacks (DDP comm hooks) run here, on the worker thread, outside our lock.
-  if (e) {
-    future->setError(e);
+  // Future callbacks (DDP comm hooks) run here, on the worker thread, outside our lock. A future
+  // asked for after this is settled by get_future().
+  if (f) settle(*f);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Task::get_future() {
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  bool settle_now = false;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (!future) {
+      future = make_tensor_list_future();
+      settle_now = done;  // finish() has run and saw no future: settle it here
+    }
+    f = future;
+  }
+  if (settle_now) settle(*f);
+  return f;
+}
+
+void Task::settle(c10::ivalue::Future& f) {
+  if (error) {
+    f.setError(error);
   } else {
-    future->markCompleted(c10::IValue(outputs));
+    f.markCompleted(c10::IValue(outputs));
   }
 }
 
 CollWork::CollWork(int rank, std::shared_ptr<Task> task, std::chrono::milliseconds default_timeout,
-                   std::string where)
+                   std::shared_ptr<const std::string> where)
     : c10d::Work(rank, task->type),
       task_(std::move(task)),
       default_timeout_(default_timeout),
@@ -112,6 +135,12 @@ void CollWork::run_here(Clock::time_point until, bool may_block) {
 }
 
 bool CollWork::wait(std::chrono::milliseconds timeout) {
+  // A blocking call's Work (its caller ran it) is finished: report, no clock read, no lock (the
+  // error was set before `finished`).
+  if (task_->finished.load(std::memory_order_acquire)) {
+    if (task_->error) std::rethrow_exception(task_->error);
+    return true;
+  }
   const auto limit = timeout.count() > 0 ? timeout : default_timeout_;
   // The task itself fails at its deadline; the extra time covers its hang report (which asks the
   // other ranks, FlightRecorder::kAnswerWait at most) and the wake-up.
@@ -153,7 +182,7 @@ bool CollWork::wait(std::chrono::milliseconds timeout) {
   if (!finished) {
     throw_torch_error(std::make_exception_ptr(
         Error(Errc::kTimeout, ErrorSite{task_->op_name, {}, task_->tag, {}, {}},
-              "not complete after " + std::to_string(limit.count()) + " ms (" + where_ +
+              "not complete after " + std::to_string(limit.count()) + " ms (" + *where_ +
                   "); the operation is still in flight")));
   }
   if (task_->error) std::rethrow_exception(task_->error);
