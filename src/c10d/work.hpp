@@ -102,7 +102,7 @@ struct Task {
   std::vector<at::Tensor> outputs;     // what result() and the future report
   std::function<void(std::uint32_t, Clock::time_point)> body;
   // [mu] Made by the first get_future() (DDP's hooks ask at once; a blocking call's caller never
-  // does, and making and completing one cost about a fifth of a microsecond per call).
+  // does, and making and completing one cost about a third of a microsecond per call).
   c10::intrusive_ptr<c10::ivalue::Future> future;
   // Device collectives: the tensors' device and the fence on the issuing stream (CPU: empty).
   c10::Device device{c10::kCPU};
