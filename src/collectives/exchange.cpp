@@ -282,7 +282,7 @@ std::size_t Exchange::bytes(std::size_t id) const { return reqs_[id].req.bytes()
 void Exchange::room_for_scratch() {
   // Doubling: the arena keeps every block it handed out until the call ends.
   if (scratch_.size() == scratch_.capacity())
-    scratch_.reserve(std::max<std::size_t>(4, 2 * scratch_.size()));
+    scratch_.reserve(std::max<std::size_t>(kInlineScratch, 2 * scratch_.size()));
 }
 
 char* Exchange::scratch(std::size_t bytes) {

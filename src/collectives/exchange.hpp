@@ -150,24 +150,28 @@ class Exchange {
   Clock::time_point deadline_;
   const char* phase_ = nullptr;
   // Every request posted, and whether it was waited for successfully (its outcome has been seen).
-  // Most calls post a few: they live in room inside the Exchange (no allocation per call); a call
-  // that posts more takes the rest from the heap.
   struct Posted {
     Request req;
     bool waited = false;
   };
-  static constexpr std::size_t kInlineRequests = 8;
-  alignas(std::max_align_t) unsigned char room_[(kInlineRequests * sizeof(Posted) + 64) * 2];
-  std::pmr::monotonic_buffer_resource arena_{room_, sizeof(room_)};
-  std::pmr::vector<Posted> reqs_{&arena_};
-  std::size_t first_open_ = 0;  // every request before this index has been waited for
-  std::size_t stuck_ = 0;       // requests abort() had to park
   struct Scratch {
     std::unique_ptr<char[]> data;  // host scratch (from the pool)
     std::size_t size = 0;
     void* device = nullptr;  // or device scratch (Context::device)
   };
+  // Both lists live in room inside the Exchange: the first kInlineRequests requests and
+  // kInlineScratch scratch entries need no allocation (a small collective's whole bookkeeping);
+  // a call that needs more takes the rest from the heap. (Slack: the arena aligns each block.)
+  static constexpr std::size_t kInlineRequests = 8;
+  static constexpr std::size_t kInlineScratch = 4;  // room_for_scratch()'s first reservation
+  alignas(std::max_align_t) unsigned char room_[kInlineRequests * sizeof(Posted) +
+                                                kInlineScratch * sizeof(Scratch) +
+                                                2 * alignof(std::max_align_t)];
+  std::pmr::monotonic_buffer_resource arena_{room_, sizeof(room_)};
+  std::pmr::vector<Posted> reqs_{&arena_};
   std::pmr::vector<Scratch> scratch_{&arena_};
+  std::size_t first_open_ = 0;  // every request before this index has been waited for
+  std::size_t stuck_ = 0;       // requests abort() had to park
 };
 
 // Keeps a request that may still be in flight, with the memory it uses, until it completes
