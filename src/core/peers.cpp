@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "lanes.hpp"
 #include "engine.hpp"
@@ -21,6 +24,10 @@ using Clock = std::chrono::steady_clock;
 
 std::string addr_key(const Options& o, int rank) {
   return o.store_prefix + "/g" + std::to_string(o.group) + "/addr/" + std::to_string(rank);
+}
+
+std::string wired_key(const Options& o, int rank) {
+  return o.store_prefix + "/g" + std::to_string(o.group) + "/wired/" + std::to_string(rank);
 }
 
 // Starts closing `ep`; returns the close request when it is still in progress, else nullptr.
@@ -91,6 +98,110 @@ void Peers::connect(Store& store, const Options& options) {
     }
     check_status(created, "init: connecting to peer " + std::to_string(peer));
     log_peer_lanes(rank_, peer, options.group, pr.same_host, pr.ep);
+  }
+  wire_up(store, options);
+}
+
+void Peers::wire_up(Store& store, const Options& options) {
+  const auto deadline = Clock::now() + options.timeout;
+  const auto failed = [this](int p, ucs_status_t st) {
+    fail_locked(p, st,
+                std::string("could not finish connecting to it (") + ucs_status_string(st) +
+                    "): it has probably left already");
+  };
+  // A peer still waiting in the store for a late rank's address does not progress yet: poll
+  // with a backoff (to 2 ms), without the lock between polls.
+  std::vector<std::pair<int, void*>> flushing;
+  {
+    std::lock_guard<std::mutex> lock(worker_.mutex());
+    for (int p = 0; p < size_; ++p) {
+      Peer& pr = (*this)[p];
+      if (p == rank_ || pr.ep == nullptr || pr.status != UCS_OK) continue;
+      ucp_request_param_t prm{};
+      void* r = ucp_ep_flush_nbx(pr.ep, &prm);
+      if (UCS_PTR_IS_ERR(r)) {
+        failed(p, UCS_PTR_STATUS(r));
+      } else if (r != nullptr) {
+        flushing.emplace_back(p, r);
+      }
+    }
+  }
+  auto pause = std::chrono::microseconds(10);
+  while (!flushing.empty()) {
+    bool moved = false;
+    {
+      std::lock_guard<std::mutex> lock(worker_.mutex());
+      moved = ucp_worker_progress(worker_.handle()) != 0;
+      for (auto it = flushing.begin(); it != flushing.end();) {
+        const ucs_status_t st = ucp_request_check_status(it->second);
+        if (st == UCS_INPROGRESS) {
+          ++it;
+          continue;
+        }
+        ucp_request_free(it->second);
+        if (st != UCS_OK) failed(it->first, st);
+        it = flushing.erase(it);
+      }
+      if (!flushing.empty() && Clock::now() >= deadline) {
+        std::string who;
+        for (auto& f : flushing) {
+          ucp_request_free(f.second);  // released by UCX when it completes
+          who += (who.empty() ? "" : ", ") + std::to_string(f.first);
+        }
+        throw Error(Errc::kTimeout, "commux init: rank " + std::to_string(rank_) + " of " +
+                                        std::to_string(size_) + " could not finish connecting " +
+                                        "to rank(s) " + who + " of group " +
+                                        std::to_string(options.group) + " within " +
+                                        std::to_string(options.timeout.count()) + " ms");
+      }
+    }
+    if (flushing.empty()) break;
+    pause = moved ? std::chrono::microseconds(10)
+                  : std::min<std::chrono::microseconds>(pause * 2, std::chrono::microseconds(2000));
+    std::this_thread::sleep_for(pause);
+  }
+  // Only same-host peers: endpoints to other hosts have peer error handling and survive a peer
+  // that leaves. Each waits for its own same-host peers, so a host's wait costs its ranks' keys.
+  store.set(wired_key(options, rank_), std::vector<std::uint8_t>{1});
+  std::vector<int> waiting;
+  for (int p = 0; p < size_; ++p) {
+    const Peer& pr = (*this)[p];
+    if (p != rank_ && pr.same_host && pr.ep != nullptr && pr.status == UCS_OK) waiting.push_back(p);
+  }
+  pause = std::chrono::microseconds(10);
+  while (!waiting.empty()) {
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      const int p = *it;
+      if (store.check(wired_key(options, p))) {
+        it = waiting.erase(it);
+      } else if (!process_alive((*this)[p].identity)) {
+        std::lock_guard<std::mutex> lock(worker_.mutex());
+        fail_locked(p, UCS_ERR_CONNECTION_RESET,
+                    "its process " + std::to_string((*this)[p].identity.pid) +
+                        " on this host exited during start-up");
+        it = waiting.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (waiting.empty()) break;
+    if (Clock::now() >= deadline) {
+      std::string who;
+      for (int p : waiting) who += (who.empty() ? "" : ", ") + std::to_string(p);
+      throw Error(Errc::kTimeout, "commux init: rank(s) " + who + " of " + std::to_string(size_) +
+                                      " on this host did not finish connecting to group " +
+                                      std::to_string(options.group) + " within " +
+                                      std::to_string(options.timeout.count()) +
+                                      " ms (this is rank " + std::to_string(rank_) + ")");
+    }
+    bool moved = false;
+    {  // the peers' wire-up messages to this rank need its progress
+      std::lock_guard<std::mutex> lock(worker_.mutex());
+      moved = ucp_worker_progress(worker_.handle()) != 0;
+    }
+    pause = moved ? std::chrono::microseconds(10)
+                  : std::min<std::chrono::microseconds>(pause * 2, std::chrono::microseconds(2000));
+    std::this_thread::sleep_for(pause);
   }
 }
 

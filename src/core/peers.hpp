@@ -57,7 +57,8 @@ class Peers {
 
   // Bootstrap: publishes this worker's address and process identity in `store`, then reads every
   // rank's (waiting up to options.timeout for each) and creates an endpoint to it. A same-host
-  // peer that left before we could connect is marked gone instead of failing the start.
+  // peer that left before we could connect is marked gone instead of failing the start. Then
+  // wire_up(): returns once every endpoint is wired and so are the same-host peers' to this rank.
   void connect(Store& store, const Options& options);
 
   // Valid once connect() has run; peer in 0..size-1. The fields say which need the lock.
@@ -94,6 +95,14 @@ class Peers {
 
  private:
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
+  // The end of connect(): flushes every endpoint (UCX finishes wiring its lanes, which it connects
+  // in the background), publishes that in the store, and waits (progressing, so that the peers'
+  // wire-up is answered) until every live same-host peer has published it too, or has exited.
+  // UCX cannot tear down an endpoint without peer error handling (same-host ones, see connect())
+  // whose lane failed to connect: a rank that left at once after init while a peer was still
+  // connecting a TCP lane to it made that peer crash in ucp_worker_destroy (SIGSEGV in
+  // ucp_ep_purge_lanes; an assertion in UCX debug builds). Throws kTimeout at options.timeout.
+  void wire_up(Store& store, const Options& options);
   void reap_failed_locked(bool idle);
 
   bool mine(const Op& op) const noexcept;  // an Op of this Peers' Engine
