@@ -232,6 +232,40 @@ TEST(Failures, ARankThatLeavesRightAfterStartCrashesNoPeer) {
   }
 }
 
+// A same-host peer that dies during start-up, once its address is out and its endpoints are
+// wired but before it says so: the others stop waiting for it when its process is gone, finish
+// their start, and name it as gone.
+TEST(Failures, APeerThatDiesDuringStartUpIsNamedGone) {
+  struct DiesWhenWired final : Store {
+    FileStore files;
+    bool dies;
+    DiesWhenWired(const std::string& dir, bool d) : files(dir), dies(d) {}
+    void set(const std::string& key, const std::vector<std::uint8_t>& value) override {
+      if (dies && key.find("/wired/") != std::string::npos) ::_exit(0);
+      files.set(key, value);
+    }
+    std::vector<std::uint8_t> get(const std::string& key,
+                                  std::chrono::milliseconds timeout) override {
+      return files.get(key, timeout);
+    }
+    bool check(const std::string& key) override { return files.check(key); }
+  };
+  run_procs(3, [](int rank, int size, const std::string& dir) {
+    Communicator c(std::make_shared<DiesWhenWired>(dir, rank == 2), rank, size,
+                   default_test_options());
+    CX_CHECK(rank != 2);  // it died in the start
+    std::vector<unsigned char> v(8);
+    const std::string msg = expect_error(Errc::kPeerFailed, [&] { c.isend(buf(v), 2, 1).wait(); });
+    CX_CHECK_HAS(msg, "peer 2");
+    CX_CHECK_HAS(msg, "exited during start-up");
+    // The two that started talk as usual.
+    const int peer = 1 - rank;
+    Request r = c.irecv(buf(v), peer, 4);
+    c.isend(buf(v), peer, 4).wait();
+    r.wait();
+  });
+}
+
 // Ranks that finish at different times, with receives still posted, shut down promptly.
 TEST(Failures, ShutdownIsBoundedWhenRanksFinishApart) {
   run_ranks(3, [](Communicator& c) {
