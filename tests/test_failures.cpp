@@ -232,27 +232,35 @@ TEST(Failures, ARankThatLeavesRightAfterStartCrashesNoPeer) {
   }
 }
 
+// A FileStore in which one rank, when its start-up is about to say its endpoints are wired (the
+// "wired" key of Peers::wire_up), dies there or stalls for `stall` and then exits.
+struct StopsWhenWired final : Store {
+  FileStore files;
+  bool stops;
+  std::chrono::milliseconds stall;  // zero: dies at once
+  StopsWhenWired(const std::string& dir, bool s, std::chrono::milliseconds st)
+      : files(dir), stops(s), stall(st) {}
+  void set(const std::string& key, const std::vector<std::uint8_t>& value) override {
+    if (stops && key.find("/wired/") != std::string::npos) {
+      std::this_thread::sleep_for(stall);
+      ::_exit(0);
+    }
+    files.set(key, value);
+  }
+  std::vector<std::uint8_t> get(const std::string& key,
+                                std::chrono::milliseconds timeout) override {
+    return files.get(key, timeout);
+  }
+  bool check(const std::string& key) override { return files.check(key); }
+};
+
 // A same-host peer that dies during start-up, once its address is out and its endpoints are
 // wired but before it says so: the others stop waiting for it when its process is gone (or UCX
 // reports the connection reset), finish their start, and name it as gone.
 TEST(Failures, APeerThatDiesDuringStartUpIsNamedGone) {
-  struct DiesWhenWired final : Store {
-    FileStore files;
-    bool dies;
-    DiesWhenWired(const std::string& dir, bool d) : files(dir), dies(d) {}
-    void set(const std::string& key, const std::vector<std::uint8_t>& value) override {
-      if (dies && key.find("/wired/") != std::string::npos) ::_exit(0);
-      files.set(key, value);
-    }
-    std::vector<std::uint8_t> get(const std::string& key,
-                                  std::chrono::milliseconds timeout) override {
-      return files.get(key, timeout);
-    }
-    bool check(const std::string& key) override { return files.check(key); }
-  };
   run_procs(3, [](int rank, int size, const std::string& dir) {
-    Communicator c(std::make_shared<DiesWhenWired>(dir, rank == 2), rank, size,
-                   default_test_options());
+    Communicator c(std::make_shared<StopsWhenWired>(dir, rank == 2, std::chrono::milliseconds(0)),
+                   rank, size, default_test_options());
     CX_CHECK(rank != 2);  // it died in the start
     std::vector<unsigned char> v(8);
     const std::string msg = expect_error(Errc::kPeerFailed, [&] { c.isend(buf(v), 2, 1).wait(); });
@@ -264,6 +272,26 @@ TEST(Failures, APeerThatDiesDuringStartUpIsNamedGone) {
     Request r = c.irecv(buf(v), peer, 4);
     c.isend(buf(v), peer, 4).wait();
     r.wait();
+  });
+}
+
+// A same-host peer that stays alive but never finishes its start: the others' wait for it ends
+// at their start's timeout, naming it, instead of hanging.
+TEST(Failures, APeerThatNeverFinishesItsStartIsNamed) {
+  run_procs(3, [](int rank, int size, const std::string& dir) {
+    Options o = default_test_options();
+    o.timeout = std::chrono::milliseconds(500);
+    auto store = std::make_shared<StopsWhenWired>(dir, rank == 2, std::chrono::milliseconds(2500));
+    if (rank == 2) {
+      Communicator c(store, rank, size, o);  // stalls in its start, then exits
+      check_failed(__FILE__, __LINE__, "rank 2's start returned");
+    }
+    const auto t0 = Clock::now();
+    const std::string msg =
+        expect_error(Errc::kTimeout, [&] { Communicator c(store, rank, size, o); });
+    CX_CHECK_HAS(msg, "commux init: rank(s) 2 on this host did not finish connecting");
+    CX_CHECK_HAS(msg, "this is rank " + std::to_string(rank));
+    CX_CHECK(Clock::now() - t0 < std::chrono::milliseconds(2000));
   });
 }
 

@@ -104,13 +104,16 @@ void Peers::connect(Store& store, const Options& options) {
 
 void Peers::wire_up(Store& store, const Options& options) {
   const auto deadline = Clock::now() + options.timeout;
-  const auto failed = [this](int p, ucs_status_t st) {
-    fail_locked(p, st,
-                std::string("could not finish connecting to it (") + ucs_status_string(st) +
-                    "): it has probably left already");
+  const auto ranks_text = [](const std::vector<int>& ranks) {
+    std::string t;
+    for (int p : ranks) t += (t.empty() ? "" : ", ") + std::to_string(p);
+    return t;
   };
-  // A peer still waiting in the store for a late rank's address does not progress yet: poll
-  // with a backoff (to 2 ms), without the lock between polls.
+  // 1. Flush every endpoint: UCX completes its wire-up first. 2. Once all are flushed, say so in
+  // the store and wait for each live same-host peer to say so too (endpoints to other hosts have
+  // peer error handling and survive a peer that leaves). Both progress the worker, with a backoff
+  // to 2 ms and without the lock between polls: a peer still waiting in the store for a late
+  // rank's address does not answer yet.
   std::vector<std::pair<int, void*>> flushing;
   {
     std::lock_guard<std::mutex> lock(worker_.mutex());
@@ -119,15 +122,17 @@ void Peers::wire_up(Store& store, const Options& options) {
       if (p == rank_ || pr.ep == nullptr || pr.status != UCS_OK) continue;
       ucp_request_param_t prm{};
       void* r = ucp_ep_flush_nbx(pr.ep, &prm);
-      if (UCS_PTR_IS_ERR(r)) {
-        failed(p, UCS_PTR_STATUS(r));
-      } else if (r != nullptr) {
+      if (UCS_PTR_IS_PTR(r)) {
         flushing.emplace_back(p, r);
+      } else if (UCS_PTR_IS_ERR(r)) {
+        fail_unwired_locked(p, UCS_PTR_STATUS(r));
       }
     }
   }
+  bool published = false;
+  std::vector<int> waiting;  // same-host peers not yet wired (once published)
   auto pause = std::chrono::microseconds(10);
-  while (!flushing.empty()) {
+  for (;;) {
     bool moved = false;
     {
       std::lock_guard<std::mutex> lock(worker_.mutex());
@@ -139,70 +144,61 @@ void Peers::wire_up(Store& store, const Options& options) {
           continue;
         }
         ucp_request_free(it->second);
-        if (st != UCS_OK) failed(it->first, st);
+        if (st != UCS_OK) fail_unwired_locked(it->first, st);
         it = flushing.erase(it);
       }
-      if (!flushing.empty() && Clock::now() >= deadline) {
-        std::string who;
-        for (auto& f : flushing) {
-          ucp_request_free(f.second);  // released by UCX when it completes
-          who += (who.empty() ? "" : ", ") + std::to_string(f.first);
+    }
+    if (flushing.empty() && !published) {
+      store.set(wired_key(options, rank_), std::vector<std::uint8_t>{1});
+      published = true;
+      for (int p = 0; p < size_; ++p) {
+        const Peer& pr = (*this)[p];
+        if (p != rank_ && pr.same_host && pr.ep != nullptr && pr.status == UCS_OK) {
+          waiting.push_back(p);
         }
-        throw Error(Errc::kTimeout, "commux init: rank " + std::to_string(rank_) + " of " +
-                                        std::to_string(size_) + " could not finish connecting " +
-                                        "to rank(s) " + who + " of group " +
-                                        std::to_string(options.group) + " within " +
-                                        std::to_string(options.timeout.count()) + " ms");
       }
     }
-    if (flushing.empty()) break;
-    pause = moved ? std::chrono::microseconds(10)
-                  : std::min<std::chrono::microseconds>(pause * 2, std::chrono::microseconds(2000));
-    std::this_thread::sleep_for(pause);
-  }
-  // Only same-host peers: endpoints to other hosts have peer error handling and survive a peer
-  // that leaves. Each waits for its own same-host peers, so a host's wait costs its ranks' keys.
-  store.set(wired_key(options, rank_), std::vector<std::uint8_t>{1});
-  std::vector<int> waiting;
-  for (int p = 0; p < size_; ++p) {
-    const Peer& pr = (*this)[p];
-    if (p != rank_ && pr.same_host && pr.ep != nullptr && pr.status == UCS_OK) waiting.push_back(p);
-  }
-  pause = std::chrono::microseconds(10);
-  while (!waiting.empty()) {
     for (auto it = waiting.begin(); it != waiting.end();) {
-      const int p = *it;
-      if (store.check(wired_key(options, p))) {
+      if (store.check(wired_key(options, *it))) {
         it = waiting.erase(it);
-      } else if (!process_alive((*this)[p].identity)) {
+      } else if (!process_alive((*this)[*it].identity)) {
         std::lock_guard<std::mutex> lock(worker_.mutex());
-        fail_locked(p, UCS_ERR_CONNECTION_RESET,
-                    "its process " + std::to_string((*this)[p].identity.pid) +
+        fail_locked(*it, UCS_ERR_CONNECTION_RESET,
+                    "its process " + std::to_string((*this)[*it].identity.pid) +
                         " on this host exited during start-up");
         it = waiting.erase(it);
       } else {
         ++it;
       }
     }
-    if (waiting.empty()) break;
+    if (published && waiting.empty()) return;
     if (Clock::now() >= deadline) {
-      std::string who;
-      for (int p : waiting) who += (who.empty() ? "" : ", ") + std::to_string(p);
-      throw Error(Errc::kTimeout, "commux init: rank(s) " + who + " of " + std::to_string(size_) +
-                                      " on this host did not finish connecting to group " +
-                                      std::to_string(options.group) + " within " +
-                                      std::to_string(options.timeout.count()) +
-                                      " ms (this is rank " + std::to_string(rank_) + ")");
-    }
-    bool moved = false;
-    {  // the peers' wire-up messages to this rank need its progress
-      std::lock_guard<std::mutex> lock(worker_.mutex());
-      moved = ucp_worker_progress(worker_.handle()) != 0;
+      std::vector<int> late;
+      {
+        std::lock_guard<std::mutex> lock(worker_.mutex());
+        for (auto& f : flushing) {
+          ucp_request_free(f.second);  // released by UCX when it completes
+          late.push_back(f.first);
+        }
+      }
+      const std::string what =
+          published ? "rank(s) " + ranks_text(waiting) + " on this host did not finish connecting"
+                    : "could not finish connecting to rank(s) " + ranks_text(late);
+      throw Error(Errc::kTimeout, "commux init: " + what + " within " +
+                                      std::to_string(options.timeout.count()) + " ms (group " +
+                                      std::to_string(options.group) + ", this is rank " +
+                                      std::to_string(rank_) + " of " + std::to_string(size_) + ")");
     }
     pause = moved ? std::chrono::microseconds(10)
                   : std::min<std::chrono::microseconds>(pause * 2, std::chrono::microseconds(2000));
     std::this_thread::sleep_for(pause);
   }
+}
+
+void Peers::fail_unwired_locked(int peer, ucs_status_t status) {
+  fail_locked(peer, status,
+              std::string("could not finish connecting to it (") + ucs_status_string(status) +
+                  "): it has probably left already");
 }
 
 void Peers::ep_error_cb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {

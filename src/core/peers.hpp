@@ -103,6 +103,8 @@ class Peers {
   // connecting a TCP lane to it made that peer crash in ucp_worker_destroy (SIGSEGV in
   // ucp_ep_purge_lanes; an assertion in UCX debug builds). Throws kTimeout at options.timeout.
   void wire_up(Store& store, const Options& options);
+  // An endpoint whose flush failed at start-up: its peer is marked gone, saying so. [mu]
+  void fail_unwired_locked(int peer, ucs_status_t status);
   void reap_failed_locked(bool idle);
 
   bool mine(const Op& op) const noexcept;  // an Op of this Peers' Engine
