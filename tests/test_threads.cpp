@@ -27,6 +27,7 @@
 
 #include "commux/collectives.hpp"
 #include "commux/communicator.hpp"
+#include "channel.hpp"
 #include "commux/store.hpp"
 #include "harness.hpp"
 
@@ -473,6 +474,105 @@ void blocked_for_a_late_rank(bool scheduled) {
 TEST(Threads, ACollectiveBlockedForALateRankUsesLittleCpu) { blocked_for_a_late_rank(false); }
 
 TEST(Threads, AScheduleWaitedForALateRankUsesLittleCpu) { blocked_for_a_late_rank(true); }
+
+// --- drivers: work of a layer above core on the progress thread (Channel::set_driver) ----------
+
+// A driver that, on its first call, posts a receive of 1 MiB from this rank and waits for it
+// with a plain blocking wait, as a collective's error path does on the progress thread. The send
+// comes 100 ms later from another thread that does not progress. Nobody but the waiting progress
+// thread can complete the receive, so its wait must progress the worker itself: a wait that
+// slept for the progress thread (itself) would time out.
+struct WaitingDriver final : detail::Driver {
+  Communicator* comm = nullptr;
+  std::vector<char>* in = nullptr;
+  std::atomic<int> calls{0};
+  std::atomic<bool> posted{false};
+  std::atomic<bool> received{false};
+  std::string error;  // written by the progress thread before `done`
+  std::atomic<bool> done{false};
+  bool drive() noexcept override {
+    if (calls.fetch_add(1) > 0) return false;
+    try {
+      Request r = comm->irecv(Buffer{in->data(), in->size()}, 0, 9);
+      posted.store(true);
+      r.wait(std::chrono::seconds(10));
+      received.store(true);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    done.store(true);
+    return false;
+  }
+};
+
+TEST(Threads, AWaitOnTheProgressThreadProgressesItself) {
+  TempDir dir;
+  auto comm = one_rank_world(dir);
+  std::vector<char> in(1 << 20, 0), out(1 << 20, 'x');
+  auto d = std::make_shared<WaitingDriver>();
+  d->comm = comm.get();
+  d->in = &in;
+  const auto start = Clock::now();
+  ASSERT_TRUE(detail::channel(*comm).set_driver(d)) << "the UCX channel has no progress thread";
+  while (!d->posted.load() && Clock::now() - start < std::chrono::seconds(20)) {
+    detail::channel(*comm).wake_driver();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(d->posted.load()) << "the progress thread never called the driver";
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  Request s = comm->isend(Buffer{out.data(), out.size()}, 0, 9);
+  const auto sent = Clock::now();
+  while (!d->done.load() && Clock::now() - sent < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - sent);
+  ASSERT_TRUE(d->done.load()) << "the driver's wait never returned";
+  EXPECT_TRUE(d->received.load()) << "the driver's wait failed: " << d->error;
+  EXPECT_LT(took, std::chrono::seconds(5)) << "the driver's wait took " << took.count() << " ms";
+  EXPECT_EQ(in, out);
+  s.wait(std::chrono::seconds(20));
+  detail::channel(*comm).set_driver(nullptr);
+}
+
+// set_driver(nullptr) returns only once the call of the old driver that is running has ended,
+// and the old driver is not called after: its owner may then be destroyed.
+struct SlowDriver final : detail::Driver {
+  std::atomic<int> calls{0};
+  std::atomic<bool> inside{false};
+  std::atomic<bool> after_removal{false};
+  std::atomic<bool> removed{false};
+  bool drive() noexcept override {
+    if (removed.load()) after_removal.store(true);
+    inside.store(true);
+    calls.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    inside.store(false);
+    return false;
+  }
+};
+
+TEST(Threads, RemovingADriverWaitsForItsRunningCall) {
+  TempDir dir;
+  auto comm = one_rank_world(dir);
+  auto d = std::make_shared<SlowDriver>();
+  ASSERT_TRUE(detail::channel(*comm).set_driver(d));
+  const auto start = Clock::now();
+  while (!d->inside.load() && Clock::now() - start < std::chrono::seconds(20)) {
+    detail::channel(*comm).wake_driver();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(d->inside.load()) << "the progress thread never called the driver";
+  detail::channel(*comm).set_driver(nullptr);
+  EXPECT_FALSE(d->inside.load()) << "set_driver(nullptr) returned during a call of the old driver";
+  d->removed.store(true);
+  const int calls = d->calls.load();
+  for (int i = 0; i < 20; ++i) {
+    detail::channel(*comm).wake_driver();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(d->calls.load(), calls);
+  EXPECT_FALSE(d->after_removal.load()) << "a removed driver was called";
+}
 
 }  // namespace
 }  // namespace commux::test

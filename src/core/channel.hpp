@@ -76,6 +76,21 @@ class Gate {
   virtual std::string describe() const = 0;
 };
 
+// Work of a layer above core that the channel's progress thread does between its progress calls
+// (the torch adapter resumes its suspended collectives there, so that a collective nobody waits
+// for advances without a thread of its own).
+class Driver {
+ public:
+  virtual ~Driver() = default;
+  // Called on the progress thread after each progress call while no user thread is spinning,
+  // without the channel's lock. Must not block: a wait it makes on a request of the channel
+  // progresses the channel itself (it never sleeps on the progress thread's work), but a wait on
+  // anything else would stall every sleeping waiter of the process. Must not throw. Returns
+  // whether it has work listed that waits for the channel's requests (the progress thread then
+  // polls without sleeping for a while after each completion, as a waiter spins).
+  virtual bool drive() noexcept = 0;
+};
+
 class Channel {
  public:
   virtual ~Channel() = default;
@@ -109,6 +124,16 @@ class Channel {
   // Cancels what is posted and releases the transport; bounded by options().shutdown_timeout.
   // Safe to call twice.
   virtual void shutdown() = 0;
+  // Has the channel's progress thread call `driver` (nullptr: no driver). Returns false when the
+  // channel has no progress thread (the caller must then drive its work itself). A driver set
+  // stays until replaced, or until shutdown(); replacing it returns once no call of the old
+  // one is running, unless made from inside that call.
+  virtual bool set_driver(std::shared_ptr<Driver> driver) {
+    (void)driver;
+    return false;
+  }
+  // Wakes the progress thread, so that it calls the driver soon (work the driver can start).
+  virtual void wake_driver() noexcept {}
 
   Request post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
                     std::uint32_t tag, bool fast_completion = false) {

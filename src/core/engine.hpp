@@ -61,6 +61,11 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
              Unexpected* out) override;
   std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override;
   void shutdown() override;
+  bool set_driver(std::shared_ptr<Driver> driver) override {
+    worker_.set_driver(this, std::move(driver));
+    return true;
+  }
+  void wake_driver() noexcept override { worker_.wake_if_asleep(std::chrono::microseconds(100)); }
 
   // Requests (op.cpp); Op's RequestState methods call the last three.
   std::shared_ptr<Op> post_op(Op::Kind kind, const char* name, const Buffer* buffers,

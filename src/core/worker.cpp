@@ -20,6 +20,11 @@ constexpr std::chrono::microseconds kMaxSpin{20000};
 // A wait spins without yielding this long: a peer that is running answers a small message within
 // a few microseconds.
 constexpr std::chrono::microseconds kYieldAfter{5};
+// How long the progress thread polls without sleeping after the last activity while a driver has
+// work listed (Channel::set_driver): a waiter's default spin.
+constexpr std::chrono::microseconds kDriveSpin{100};
+// Set on the progress thread: a wait there (a driver's) must progress itself.
+thread_local bool t_progress_thread = false;
 }  // namespace
 
 Worker::~Worker() {
@@ -54,6 +59,48 @@ void Worker::detach(Engine* engine) {
   std::lock_guard<std::mutex> a(engines_mu_);
   std::lock_guard<std::mutex> b(mu_);
   engines_.erase(std::remove(engines_.begin(), engines_.end(), engine), engines_.end());
+  const auto gone = std::remove_if(drivers_.begin(), drivers_.end(),
+                                   [&](const auto& d) { return d.first == engine; });
+  driver_count_.fetch_sub(static_cast<int>(drivers_.end() - gone));
+  drivers_.erase(gone, drivers_.end());
+}
+
+void Worker::set_driver(Engine* engine, std::shared_ptr<Driver> driver) {
+  std::shared_ptr<Driver> old;  // released outside the locks
+  {
+    std::lock_guard<std::mutex> a(engines_mu_);
+    auto it = std::find_if(drivers_.begin(), drivers_.end(),
+                           [&](const auto& d) { return d.first == engine; });
+    if (it != drivers_.end()) {
+      old = std::move(it->second);
+      if (driver) {
+        it->second = std::move(driver);
+      } else {
+        drivers_.erase(it);
+        driver_count_.fetch_sub(1);
+      }
+    } else if (driver && std::find(engines_.begin(), engines_.end(), engine) != engines_.end()) {
+      drivers_.emplace_back(engine, std::move(driver));
+      driver_count_.fetch_add(1);
+    }
+  }
+  // A round that copied the old driver before the swap holds drive_mu_ until its calls end.
+  if (old && !t_progress_thread) {
+    std::lock_guard<std::mutex> g(drive_mu_);
+  }
+}
+
+bool Worker::drive() {
+  if (driver_count_.load(std::memory_order_relaxed) == 0) return false;
+  std::lock_guard<std::mutex> g(drive_mu_);
+  {
+    std::lock_guard<std::mutex> a(engines_mu_);
+    for (const auto& d : drivers_) driving_.push_back(d.second);
+  }
+  bool listed = false;
+  for (const auto& d : driving_) listed = d->drive() || listed;
+  driving_.clear();
+  return listed;
 }
 
 unsigned Worker::progress_locked() {
@@ -98,7 +145,20 @@ void Worker::kick() noexcept {
   [[maybe_unused]] const ssize_t w = ::write(wake_fd_, &one, sizeof(one));
 }
 
+void Worker::wake_if_asleep(std::chrono::microseconds late) noexcept {
+  const std::int64_t until = asleep_until_.load();
+  if (until != 0 && until - Clock::now().time_since_epoch().count() >
+                        std::chrono::duration_cast<Clock::duration>(late).count()) {
+    kick();
+  }
+}
+
 bool Worker::wait_for_kick(std::chrono::microseconds timeout, int other_fd) {
+  asleep_until_.store((Clock::now() + timeout).time_since_epoch().count());
+  struct Awake {
+    std::atomic<std::int64_t>& until;
+    ~Awake() { until.store(0); }
+  } awake{asleep_until_};
   pollfd fds[2] = {pollfd{wake_fd_, POLLIN, 0}, pollfd{other_fd, POLLIN, 0}};
   const auto secs = std::chrono::duration_cast<std::chrono::seconds>(timeout);
   const timespec ts{static_cast<time_t>(secs.count()),
@@ -126,11 +186,13 @@ void Worker::stop_progress_thread() {
 }
 
 void Worker::progress_thread_main() {
+  t_progress_thread = true;
   // Polling mode backs off from 5 us to a cap while nothing happens: responsive right after
   // traffic, nearly free when idle.
   constexpr auto kMinIdle = std::chrono::microseconds(5);
   auto idle = kMinIdle;
   auto next_check = Clock::now();
+  auto active = Clock::now();  // the last progress that did something, or kick
   while (!stop_.load()) {
     if (inflight_count_.load() > 0 && Clock::now() >= next_check) {
       {
@@ -161,6 +223,18 @@ void Worker::progress_thread_main() {
         if (k == 0) break;
       }
       if (efd_ >= 0 && n == 0) busy = ucp_worker_arm(worker_) == UCS_ERR_BUSY;
+    }
+    // The layers above resume what this progress completed (Channel::set_driver). What a driver
+    // posts either completes in its own progress call or shows up in the next one here.
+    const bool driving = drive();
+    const auto now = Clock::now();
+    if (n > 0) active = now;
+    // A driver with work listed expects completions soon (a collective's next step): poll
+    // without sleeping for a while after the last activity, as a waiter spins, so that each
+    // step does not pay a sleep and a wake-up. Where ranks outnumber cores, yield meanwhile.
+    if (driving && n == 0 && now - active < kDriveSpin) {
+      if (yield_mode() != YieldMode::kNever) ::sched_yield();
+      continue;
     }
     const bool in_flight = inflight_count_.load() > 0;
     // A post held behind a gate (a device stream's event) raises no event when the gate opens:
@@ -193,15 +267,39 @@ void Worker::progress_thread_main() {
                      : in_flight ? std::chrono::microseconds(2000)
                                  : std::chrono::microseconds(20000);
     idle = std::min(idle + idle / 4 + std::chrono::microseconds(1), cap);
-    if (wait_for_kick(idle, -1)) idle = kMinIdle;
+    if (wait_for_kick(idle, -1)) {
+      idle = kMinIdle;
+      active = Clock::now();
+    }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Waiting: spin, then sleep
 
+bool Worker::wait_on_progress_thread(Op& op, Clock::time_point deadline) {
+  auto idle = std::chrono::microseconds(1);
+  for (;;) {
+    unsigned n = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      n = progress_locked();
+    }
+    if (op.done.load() || op.abandoned.load()) return true;
+    if (Clock::now() >= deadline) return false;
+    if (n > 0) {
+      idle = std::chrono::microseconds(1);
+      continue;
+    }
+    idle = std::min(idle * 2, std::chrono::microseconds(1000));
+    std::this_thread::sleep_for(idle);
+  }
+}
+
 bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin) {
   if (op.done.load()) return true;
+  // A driver's wait (Channel::set_driver) on the progress thread: nobody else progresses.
+  if (t_progress_thread) return wait_on_progress_thread(op, Clock::now() + timeout);
   {  // one progress call before anything else: most small messages complete here
     std::lock_guard<std::mutex> lock(mu_);
     progress_locked();

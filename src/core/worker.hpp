@@ -23,8 +23,10 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "channel.hpp"
 #include "commux/communicator.hpp"
 #include "op.hpp"
 
@@ -52,7 +54,10 @@ class Worker {
   // The Engines on this worker. attach() before the Engine posts anything; detach() (idempotent)
   // once it posts nothing more: after it returns no progress step or peer check calls it again.
   void attach(Engine* engine);
-  void detach(Engine* engine);
+  void detach(Engine* engine);  // drops its driver too
+  // The driver the progress thread calls for `engine` (Channel::set_driver; nullptr: none).
+  // Returns once no call of the old one runs, unless called from inside that call.
+  void set_driver(Engine* engine, std::shared_ptr<Driver> driver);
   // One progress step: UCX's, then each Engine's own (deferred work, failing receives that wait
   // on gone peers). [mu]
   unsigned progress_locked();
@@ -113,6 +118,9 @@ class Worker {
   void held_changed(int delta) noexcept { held_.fetch_add(delta); }
   // Wakes the progress thread (no lock needed).
   void kick() noexcept;
+  // Wakes it only if it sleeps (or stays parked) for more than `late` from now: new work for a
+  // thread that polls often anyway is not worth a wake-up (Channel::wake_driver).
+  void wake_if_asleep(std::chrono::microseconds late) noexcept;
   // How a spinning waiter's poll that finds nothing to do treats the CPU (Options::yield):
   // kAfterSpin (the default) yields it once the wait has lasted a few microseconds, kAlways from
   // the first poll, kNever keeps it. One worker serves the process: the last set wins.
@@ -122,11 +130,21 @@ class Worker {
 
  private:
   void progress_thread_main();
+  bool drive();  // calls each driver once (the progress thread, without mu_); any work listed
+  // wait() on the progress thread (a driver's): progresses itself until done or `deadline`,
+  // since nobody else would progress what it sleeps on.
+  bool wait_on_progress_thread(Op& op, std::chrono::steady_clock::time_point deadline);
   // Sleeps until kick() (true), `timeout`, or `other_fd` (if >= 0) becomes readable.
   bool wait_for_kick(std::chrono::microseconds timeout, int other_fd);
 
   std::mutex engines_mu_;         // taken before mu_ (see above)
   std::vector<Engine*> engines_;  // [engines_mu_ and mu_ to write; either to read]
+  // The Engines' drivers (Channel::set_driver), and how many. The progress thread holds
+  // drive_mu_ while it calls them, so set_driver() can wait for a call of the old one to end.
+  std::vector<std::pair<Engine*, std::shared_ptr<Driver>>> drivers_;  // [engines_mu_]
+  std::atomic<int> driver_count_{0};
+  std::mutex drive_mu_;
+  std::vector<std::shared_ptr<Driver>> driving_;  // [drive_mu_] this round's
   std::mutex mu_;
   ucp_worker_h worker_ = nullptr;  // set in create(), nullptr after destroy_locked() [mu]
   bool shut_down_ = false;         // [mu] set once shutdown() released UCX
@@ -148,6 +166,8 @@ class Worker {
   std::atomic<int> spinners_{0};     // threads spinning in wait(): the progress thread stays off
   std::atomic<int> sleepers_{0};     // threads sleeping in wait(): completions notify done_cv_
   std::atomic<bool> parked_{false};  // the progress thread is staying off for a spinner
+  // When the progress thread's current sleep ends (steady_clock ticks; 0: it is not asleep).
+  std::atomic<std::int64_t> asleep_until_{0};
   std::atomic<YieldMode> yield_{YieldMode::kAfterSpin};
   std::mutex done_mu_;
   std::condition_variable done_cv_;
