@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""COMMUX_SCHEDULE on against off in one launch: async all_reduces waited the three ways torch
-code waits for them, and a DDP training step.
+"""COMMUX_SCHEDULE (and COMMUX_PROGRESS_RESUMES) on against off in one launch: async all_reduces
+waited the three ways torch code waits for them, and a DDP training step.
 
     .venv/bin/python bench/experiments/schedule_ab.py [--ranks 2] [--kib 256] [--rounds 40]
 
-Per "ucx" group (one with COMMUX_SCHEDULE=1, one with 0; plus gloo for the DDP step):
+Per "ucx" group (COMMUX_SCHEDULE=1 with the progress thread resuming the schedules nobody waits
+for, the same with COMMUX_PROGRESS_RESUMES=0 (a pool thread runs them to their end), and
+COMMUX_SCHEDULE=0; plus gloo for the DDP step), rounds interleaved across them:
   work1  one all_reduce(async_op=True), then Work.wait()      (a waiter resumes the schedule)
-  fut1   one, then get_future().wait()                        (the pool thread runs it)
+  fut1   one, then get_future().wait()                        (nobody resumes it but the
+                                                               progress or a pool thread)
   fut8   eight issued back to back, then each future waited  (DDP's buckets)
   ddp    one DistributedDataParallel step (8 Linear(256, 256), 0.25 MB buckets, SGD)
 Medians over rounds of rank 0's time (a barrier on a gloo group before each). Every all_reduce
@@ -24,6 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.lib.launch import launch_ranks  # noqa: E402
 
 
+VARIANTS = (  # label: the environment its group is created with
+    ("on+progress", {"COMMUX_SCHEDULE": "1", "COMMUX_PROGRESS_RESUMES": "1"}),
+    ("on+pool", {"COMMUX_SCHEDULE": "1", "COMMUX_PROGRESS_RESUMES": "0"}),
+    ("off", {"COMMUX_SCHEDULE": "0"}),
+)
+
+
 def run_rank(job):
     import torch
     import torch.distributed as dist
@@ -33,20 +43,22 @@ def run_rank(job):
     dist.init_process_group("gloo", init_method="env://")
     me, world = dist.get_rank(), dist.get_world_size()
     groups = {}
-    for label, value in (("ucx schedule=on", "1"), ("ucx schedule=off", "0")):
-        os.environ["COMMUX_SCHEDULE"] = value  # read when the group is created
+    for label, env in VARIANTS:
+        os.environ.update(env)  # read when the group is created
         groups[label] = dist.new_group(backend="ucx")
-        del os.environ["COMMUX_SCHEDULE"]
+        for k in env:
+            del os.environ[k]
     groups["gloo"] = dist.new_group(backend="gloo")
     n = job["kib"] * 256
     want = float(sum(r + 1 for r in range(world)))
-    out, wrong, params = {}, 0, {}
-    for label, g in groups.items():
-        for mode in ("work1", "fut1", "fut8"):
-            if label == "gloo":
-                continue
-            times = []
-            for _ in range(job["rounds"] + 3):
+    wrong, params = 0, {}
+    times = {}
+    # Rounds interleave the variants, so that a change of the machine's pace hits them alike.
+    for mode in ("work1", "fut1", "fut8"):
+        for _ in range(job["rounds"] + 3):
+            for label, g in groups.items():
+                if label == "gloo":
+                    continue
                 xs = [torch.full((n,), float(me + 1)) for _ in range(8 if mode == "fut8" else 1)]
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -56,23 +68,24 @@ def run_rank(job):
                         w.wait()
                     else:
                         w.get_future().wait()
-                times.append(time.perf_counter() - t0)
+                times.setdefault((label, mode), []).append(time.perf_counter() - t0)
                 wrong += sum(int((x != want).sum()) for x in xs)
-            out[(label, mode)] = statistics.median(times[3:]) * 1e6
+    models = {}
+    for label, g in groups.items():
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
         ddp = DDP(model, process_group=g, bucket_cap_mb=0.25)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-        x = torch.full((32, 256), 0.01 * (me + 1))
-        times = []
-        for _ in range(job["rounds"] + 3):
+        models[label] = (model, ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
+    x = torch.full((32, 256), 0.01 * (me + 1))
+    for _ in range(job["rounds"] + 3):
+        for label, (model, ddp, opt) in models.items():
             dist.barrier()
             t0 = time.perf_counter()
             opt.zero_grad()
             ddp(x).square().mean().backward()
             opt.step()
-            times.append(time.perf_counter() - t0)
-        out[(label, "ddp")] = statistics.median(times[3:]) * 1e6
+            times.setdefault((label, "ddp"), []).append(time.perf_counter() - t0)
+    for label, (model, _, _) in models.items():
         params[label] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     ref = params["gloo"]
     for label, p in params.items():
@@ -80,7 +93,8 @@ def run_rank(job):
             wrong += 1
             print(f"schedule_ab: rank {me}: DDP parameters on {label} differ from gloo's",
                   file=sys.stderr)
-    return {"times": {f"{k[0]}|{k[1]}": v for k, v in out.items()}, "wrong": wrong}
+    out = {f"{k[0]}|{k[1]}": statistics.median(v[3:]) * 1e6 for k, v in times.items()}
+    return {"times": out, "wrong": wrong}
 
 
 def main():
@@ -98,13 +112,15 @@ def main():
         return 1
     t = results[0]["times"]
     print(f"{a.ranks} ranks, all_reduce of {a.kib} KiB, median of {a.rounds} rounds, rank 0's µs")
-    print("| what | schedule=on | schedule=off | on/off | gloo |")
-    print("|---|---:|---:|---:|---:|")
+    labels = [v[0] for v in VARIANTS]
+    print("| what | " + " | ".join(f"schedule={x}" for x in labels) +
+          " | progress/pool | progress/off | gloo |")
+    print("|---|" + "---:|" * (len(labels) + 3))
     for mode in ("work1", "fut1", "fut8", "ddp"):
-        on, off = t[f"ucx schedule=on|{mode}"], t[f"ucx schedule=off|{mode}"]
+        v = [t[f"{x}|{mode}"] for x in labels]
         gloo = t.get(f"gloo|{mode}")
-        print(f"| {mode} | {on:.1f} | {off:.1f} | {on / off:.2f} | "
-              f"{'' if gloo is None else f'{gloo:.1f}'} |")
+        print(f"| {mode} | " + " | ".join(f"{x:.1f}" for x in v) +
+              f" | {v[0] / v[1]:.2f} | {v[0] / v[2]:.2f} | {'' if gloo is None else f'{gloo:.1f}'} |")
     wrong = sum(r["wrong"] for r in results.values())
     print(f"#wrong: {wrong}")
     return 1 if wrong else 0

@@ -459,18 +459,21 @@ def _backend(group=None):
     return g._get_backend(torch.device("cpu"))
 
 
-def _group_with(var, value):
-    """A new group of every rank created with the environment variable `var` set to `value`
-    (its previous value, e.g. one the whole run set, comes back afterwards)."""
-    before = os.environ.get(var)
-    os.environ[var] = value
+def _group_with(var, value, **more):
+    """A new group of every rank created with the environment variable `var` set to `value`,
+    and each of `more` (name=value) too (their previous values, e.g. ones the whole run set, come
+    back afterwards)."""
+    env = {var: value, **more}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return dist.new_group(list(range(dist.get_world_size())))
     finally:
-        if before is None:
-            del os.environ[var]
-        else:
-            os.environ[var] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def _caller_runs(ctx):
@@ -577,6 +580,53 @@ def test_async_collectives_run_as_schedules_beside_p2p(ranks, ws):
     for r in ranks.run(_schedules, timeout=60):
         assert r["started"] == 16, r  # every async all_reduce of both rounds
         assert r["off"] == 0, r
+
+
+def _future_callback_waits_for_another(ctx):
+    """Two async all_reduces that nobody waits for through Work.wait(); the first one's future has
+    a callback that waits for the second one's future. A callback runs on the thread that
+    completes the future (a pool thread, never the core's progress thread), and that thread must
+    not be the only one that could complete the second: with the pool threads running the
+    collectives one at a time (COMMUX_INFLIGHT=1, auto where ranks outnumber cores), with
+    schedules resumed by the progress thread (COMMUX_SCHEDULE=1) and with schedules run to their
+    end by pool threads (COMMUX_PROGRESS_RESUMES=0). Each hung before its fix. Results are
+    checked."""
+    W, me = ctx.world, ctx.rank
+    variants = {
+        "inflight=1": ("COMMUX_INFLIGHT", "1", {}),
+        "schedule": ("COMMUX_SCHEDULE", "1", {}),
+        "schedule, progress_resumes=0": ("COMMUX_SCHEDULE", "1", {"COMMUX_PROGRESS_RESUMES": "0"}),
+    }
+    started = {}
+    for label, (var, value, more) in variants.items():
+        g = _group_with(var, value, **more)
+        be = _backend(g)
+        before = be.scheduled_calls
+        for i in range(4):
+            n = 10 + 5000 * i
+            x = torch.full((n,), float(me + 1))
+            y = torch.full((n,), float(me + 2))
+            wa = dist.all_reduce(x, async_op=True, group=g)
+            wb = dist.all_reduce(y, async_op=True, group=g)
+            fb = wb.get_future()
+
+            def both(fa, fb=fb):
+                fb.wait()
+                return fa.value()[0] + fb.value()[0]
+
+            got = wa.get_future().then(both).wait()
+            want = float(W * (W + 1) // 2 + W * (W + 3) // 2)
+            check_equal(f"{label}, round {i}: the callback's sum of two all_reduces of {n}", got,
+                        torch.full((n,), want))
+        started[label] = be.scheduled_calls - before
+    return started
+
+
+@pytest.mark.ucx_semantics  # commux's threads and counters
+@worlds(2, 3)
+def test_a_future_callback_may_wait_for_another_async_collective(ranks, ws):
+    for r in ranks.run(_future_callback_waits_for_another, timeout=90):
+        assert r == {"inflight=1": 0, "schedule": 8, "schedule, progress_resumes=0": 8}, r
 
 
 def _blocked_cpu(ctx):

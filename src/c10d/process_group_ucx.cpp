@@ -50,6 +50,22 @@ using c10d_detail::to_dtype;
 using c10d_detail::to_reduction;
 
 namespace {
+// Set while the core's progress thread resumes this process's schedules (Impl::drive): what
+// finishes there leaves its future's callbacks (user code) to a pool thread.
+thread_local bool t_driving = false;
+// Set on a pool thread while it serves a group (Impl::serve).
+thread_local bool t_serving = false;
+}  // namespace
+
+// The group's part of the progress thread's round (COMMUX_PROGRESS_RESUMES).
+struct ProcessGroupUCX::Impl::Driver final : commux::detail::Driver {
+  explicit Driver(Impl* group) : g(group) {}
+  // `g` outlives every call: its shutdown unregisters this, which waits for a running call.
+  bool drive() noexcept override { return g->drive(); }
+  Impl* g;
+};
+
+namespace {
 
 constexpr std::size_t kSpinWaitBytes = std::size_t{256} << 10;
 
@@ -162,6 +178,10 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   sched_limit_ = settings.inflight > 0 ? settings.inflight : kScheduleLimit;
   gate_ = std::make_shared<c10d_detail::RunnerGate>();
   gate_->runner = this;
+  if (schedules_ && settings.progress_resumes) {
+    driver_ = std::make_shared<Driver>(this);
+    progress_resumes_ = commux::detail::channel(*comm_).set_driver(driver_);
+  }
   watcher_ = std::make_shared<c10d_detail::FutureWatcher>();
   recorder_ = std::make_unique<c10d_detail::FlightRecorder>(store, rank, size, group_name_);
   COMMUX_LOG(kInfo, rank, "torch backend '", name_, "': process group '", group_name_,
@@ -202,8 +222,12 @@ std::uint64_t ProcessGroupUCX::scheduled_calls() const {
 void ProcessGroupUCX::Impl::shutdown() {
   std::deque<std::shared_ptr<Task>> left;
   bool submit = false;
+  // The progress thread stops resuming schedules (this returns once its call has ended); the
+  // pool threads take them over below.
+  if (driver_ != nullptr && comm_) commux::detail::channel(*comm_).set_driver(nullptr);
   {
     std::lock_guard<std::mutex> lk(mu_);
+    progress_resumes_ = false;
     if (shut_down_) return;
     shut_down_ = true;
     stopping_ = true;
@@ -241,6 +265,10 @@ uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
 // --- the collectives' thread (pool.hpp) --------------------------------------------------------
 
 void ProcessGroupUCX::Impl::serve() {
+  struct Serving {
+    Serving() { t_serving = true; }
+    ~Serving() { t_serving = false; }
+  } serving;
   bool graced = true;   // waited kServerGrace for a waiter since the last one left (none yet)
   bool polled = false;  // polled spin_ for a next collective since it last had work
   int idle = 0;         // schedule slices in a row in which none was ready
@@ -249,13 +277,20 @@ void ProcessGroupUCX::Impl::serve() {
     bool more = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
+      if (!settle_.empty()) {  // futures of schedules the progress thread finished, in order
+        auto s = std::move(settle_.front());
+        settle_.erase(settle_.begin());
+        lk.unlock();
+        settle_covered(s.first, std::move(s.second));
+        continue;
+      }
       // Whoever finishes a running task looks at the queue again (this loop, or a waiter's
       // leave()), so a first task that cannot start yet is not left behind.
       if (!queue_.empty() && !stopping_ && can_start_locked(*queue_.front())) {
         t = take_front_locked();
         if (!t->schedulable) ++servers_running_;
         more = needs_server_locked();  // the next one may run beside it (COMMUX_INFLIGHT)
-      } else if (!scheduled_.empty()) {
+      } else if (!scheduled_.empty() && !progress_resumes_) {
         // A waiter resumes the schedules: stay off the CPU while one does, and for a moment
         // after it leaves (a caller waiting for several Works in turn comes back at once).
         if (drivers_ > 0 || !graced) {
@@ -297,6 +332,7 @@ void ProcessGroupUCX::Impl::serve() {
       std::shared_ptr<Task> first;
       {
         std::lock_guard<std::mutex> lk(mu_);
+        if (progress_resumes_) continue;  // (it was taken for a start that another made)
         for (const auto& s : scheduled_) {
           if (!s->sched->done()) {
             first = s;
@@ -328,7 +364,7 @@ void ProcessGroupUCX::Impl::serve() {
     }
     // Outside the group's lock and no longer marked running: a future callback that issues and
     // waits for another collective of the group can run it, even one that overlaps this one.
-    t->finish(err);
+    settle_covered(t, t->finish(err, /*settle_here=*/false));
   }
 }
 
@@ -352,7 +388,10 @@ void ProcessGroupUCX::Impl::start_schedule(const std::shared_ptr<Task>& t) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     t->sched = std::move(sched);
-    if (!done) scheduled_.push_back(t);
+    if (!done) {
+      scheduled_.push_back(t);
+      listed_.store(scheduled_.size(), std::memory_order_release);
+    }
   }
   if (done) complete_schedule(t);
 }
@@ -407,13 +446,81 @@ void ProcessGroupUCX::Impl::complete_schedule(const std::shared_ptr<Task>& t) {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = std::find(scheduled_.begin(), scheduled_.end(), t);
     if (it != scheduled_.end()) scheduled_.erase(it);
+    listed_.store(scheduled_.size(), std::memory_order_release);
     ran_locked(*t);
     submit = needs_server_locked();  // what waited for it may start now
     if (server_asleep_ && scheduled_.empty()) serve_cv_.notify_all();
     cv_.notify_all();
   }
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
-  t->finish(t->sched_error);
+  if (t_serving) {
+    settle_covered(t, t->finish(t->sched_error, /*settle_here=*/false));
+    return;
+  }
+  if (!t_driving) {  // a waiter's thread
+    t->finish(t->sched_error);
+    return;
+  }
+  // On the progress thread: the waiters are woken here, the future's callbacks run on a pool
+  // thread.
+  auto f = t->finish(t->sched_error, /*settle_here=*/false);
+  if (!f) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    settle_.emplace_back(t, std::move(f));
+    submit = needs_server_locked();
+  }
+  if (submit) c10d_detail::CollectivePool::instance().submit(this);
+}
+
+void ProcessGroupUCX::Impl::settle_covered(const std::shared_ptr<Task>& t,
+                                           c10::intrusive_ptr<c10::ivalue::Future> f) {
+  if (!f) return;
+  bool another = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++servers_running_;
+    another = needs_server_locked();
+  }
+  if (another) c10d_detail::CollectivePool::instance().submit(this);
+  t->settle(*f);
+  std::lock_guard<std::mutex> lk(mu_);
+  --servers_running_;
+}
+
+// --- the progress thread resumes schedules (COMMUX_PROGRESS_RESUMES) ----------------------------
+
+bool ProcessGroupUCX::Impl::drive() noexcept {
+  if (listed_.load(std::memory_order_acquire) == 0 && queued_.load(std::memory_order_acquire) == 0)
+    return false;
+  t_driving = true;
+  try {
+    for (int round = 0; round < 4; ++round) {
+      // Start the queued CPU collectives that may start now (those issued while others ran), in
+      // issue order, up to the first that may not.
+      for (;;) {
+        std::shared_ptr<Task> t;
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (!progress_resumes_ || stopping_ || queue_.empty() || !queue_.front()->schedulable ||
+              !can_start_locked(*queue_.front()))
+            break;
+          t = take_front_locked();
+        }
+        start_schedule(t);
+      }
+      // Resume the ready ones; one that finishes may let a queued one start.
+      if (!resume_schedules() || queued_.load(std::memory_order_acquire) == 0) break;
+    }
+  } catch (const std::exception& e) {  // (start_schedule and resume_schedules do not throw)
+    COMMUX_LOG(kWarn, rank_, "commux: resuming the collectives of group '", group_name_,
+               "' on the progress thread failed: ", e.what());
+  } catch (...) {
+    COMMUX_LOG(kWarn, rank_, "commux: resuming the collectives of group '", group_name_,
+               "' on the progress thread failed");
+  }
+  t_driving = false;
+  return listed_.load(std::memory_order_acquire) > 0;
 }
 
 std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
@@ -463,9 +570,17 @@ bool ProcessGroupUCX::Impl::can_start_locked(const Task& t) const {
 
 bool ProcessGroupUCX::Impl::needs_server_locked() {
   if (servers_ > servers_running_) return false;  // a pool thread between tasks takes it
-  const bool drive = !scheduled_.empty() && servers_ == 0;
-  const bool start = !stopping_ && !queue_.empty() && can_start_locked(*queue_.front());
-  if (!drive && !start) return false;
+  // While the progress thread resumes schedules, it also starts the CPU ones that may start.
+  // (Past the line above every server is running something: a blocking collective, which never
+  // runs beside a schedule, or a future's callbacks, which may wait for a listed schedule.)
+  const bool drive = !scheduled_.empty() && !progress_resumes_;
+  bool start = !stopping_ && !queue_.empty() && can_start_locked(*queue_.front());
+  if (start && progress_resumes_ && queue_.front()->schedulable) {
+    commux::detail::channel(*comm_).wake_driver();
+    start = false;
+  }
+  const bool settle = !settle_.empty();
+  if (!drive && !start && !settle) return false;
   ++servers_;
   return true;
 }
@@ -483,6 +598,9 @@ void ProcessGroupUCX::Impl::leave() {
   bool submit = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    // The progress thread resumes what this thread leaves suspended: if it sleeps, wake it
+    // (it would otherwise notice the schedules' requests only at the end of its sleep).
+    if (progress_resumes_ && !scheduled_.empty()) commux::detail::channel(*comm_).wake_driver();
     --waiters_in_;
     submit = needs_server_locked();
     cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after

@@ -169,6 +169,16 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
   void serve() override;
+  // The core's progress thread (detail::Driver, while progress_resumes_): starts the queued CPU
+  // collectives that may start, as schedules, and resumes the listed schedules that are ready.
+  // Never runs user code: a future it would complete goes to settle_ for a pool thread.
+  struct Driver;
+  bool drive() noexcept;  // whether schedules are listed
+  // On a pool thread: completes `t`'s future `f` (if any), running its callbacks, counted as a
+  // running server meanwhile, so that what is left to do (a later collective a callback waits
+  // for) gets another pool thread.
+  void settle_covered(const std::shared_ptr<c10d_detail::Task>& t,
+                      c10::intrusive_ptr<c10::ivalue::Future> f);
   // TaskRunner: a waiter runs queued collectives on its own thread (CollWork::wait).
   bool enter() override;
   void leave() override;
@@ -229,6 +239,16 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // them while there are none, and sleeps on serve_cv_ (server_asleep_) while there are.
   std::vector<std::shared_ptr<c10d_detail::Task>> scheduled_;  // [mu_]
   int sched_limit_ = 16;
+  std::atomic<std::size_t> listed_{0};  // = scheduled_.size(), for drive()'s lock-free look
+  // COMMUX_PROGRESS_RESUMES: the progress thread resumes the schedules nobody waits for (driver_
+  // is registered with the communicator); cleared first thing in shutdown. [mu_]
+  bool progress_resumes_ = false;
+  std::shared_ptr<Driver> driver_;
+  // Schedules the progress thread finished whose future was asked for: a pool thread completes
+  // the future (its callbacks are user code). [mu_]
+  std::vector<
+      std::pair<std::shared_ptr<c10d_detail::Task>, c10::intrusive_ptr<c10::ivalue::Future>>>
+      settle_;
   int drivers_ = 0;             // [mu_]
   bool server_asleep_ = false;  // [mu_]
   std::condition_variable serve_cv_;

@@ -58,7 +58,7 @@ void poll_interrupt() {
 
 // --- Task / CollWork -------------------------------------------------------------------------
 
-void Task::finish(std::exception_ptr e) {
+c10::intrusive_ptr<c10::ivalue::Future> Task::finish(std::exception_ptr e, bool settle_here) {
   e = to_torch_error(e);
   c10::intrusive_ptr<c10::ivalue::Future> f;
   {
@@ -69,9 +69,13 @@ void Task::finish(std::exception_ptr e) {
     f = future;
   }
   cv.notify_all();
-  // Future callbacks (DDP comm hooks) run here, on the worker thread, outside our lock. A future
-  // asked for after this is settled by get_future().
-  if (f) settle(*f);
+  // Future callbacks (DDP comm hooks) run here, on the finishing thread, outside our lock. A
+  // future asked for after this is settled by get_future().
+  if (f && settle_here) {
+    settle(*f);
+    return {};
+  }
+  return f;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Task::get_future() {

@@ -132,11 +132,12 @@ struct Task {
   std::atomic<bool> completing{false};
   std::atomic<bool> pool_runs{false};  // a pool thread runs it to its end (run_to_end)
 
-  void finish(std::exception_ptr e);
+  // Marks it done with `e` (nullptr: success) and wakes its waiters; then completes its future,
+  // if one was asked for, running the future's callbacks on this thread. With `settle_here` false
+  // the future is returned instead, for the caller to settle() on a thread that may run user code.
+  c10::intrusive_ptr<c10::ivalue::Future> finish(std::exception_ptr e, bool settle_here = true);
   // The Work's future: completed (or failed) when the task finishes, or at once if it has.
   c10::intrusive_ptr<c10::ivalue::Future> get_future();
-
- private:
   void settle(c10::ivalue::Future& f);  // after `done`: the result, or the error
 };
 

@@ -54,9 +54,14 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_SCHEDULE", "bool", "off", kPerComm,
        "the torch backend starts an async CPU collective on the calling thread as a schedule "
        "(coll::Schedule): its first step is posted before the call returns, and later steps run "
-       "on whichever thread resumes it (a waiter in Work.wait(), else a collective thread), "
+       "on whichever thread resumes it (a waiter in Work.wait(), else the progress thread: "
+       "COMMUX_PROGRESS_RESUMES), "
        "holding no thread while it waits (needs COMMUX_CALLER_RUNS); off: a collective thread runs "
        "it whole. Off by default until it measures faster (docs/torch-backend.md)"},
+      {"COMMUX_PROGRESS_RESUMES", "bool", "on", kPerComm,
+       "with COMMUX_SCHEDULE, the core's progress thread resumes the schedules nobody waits for "
+       "(and starts those queued behind them) between its progress calls; off: a collective "
+       "thread runs them to their end"},
       {"COMMUX_INFLIGHT", "auto/int", "auto", kPerComm,
        "the torch backend runs up to this many CPU collectives of one group at once, started in "
        "issue order; one whose tensors overlap a running one's waits for it, and a barrier, a "
@@ -166,6 +171,7 @@ Settings Settings::parse(const std::function<const char*(const char*)>& lookup) 
       else if (name == "COMMUX_ATEN_REDUCE") out.aten_reduce = b;
       else if (name == "COMMUX_CALLER_RUNS") out.caller_runs = b;
       else if (name == "COMMUX_SCHEDULE") out.schedule = b;
+      else if (name == "COMMUX_PROGRESS_RESUMES") out.progress_resumes = b;
       else if (name == "COMMUX_EP_ATEN") out.ep_aten = b;
       else if (name == "COMMUX_BENCH") out.bench = b;
     } else if (std::strcmp(s.type, "int") == 0) {
