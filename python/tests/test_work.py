@@ -593,8 +593,8 @@ def _future_callback_waits_for_another(ctx):
     checked."""
     W, me = ctx.world, ctx.rank
     variants = {
-        "inflight=1": ("COMMUX_INFLIGHT", "1", {}),
-        "schedule": ("COMMUX_SCHEDULE", "1", {}),
+        "inflight=1": ("COMMUX_INFLIGHT", "1", {"COMMUX_SCHEDULE": "0"}),
+        "schedule": ("COMMUX_SCHEDULE", "1", {"COMMUX_PROGRESS_RESUMES": "1"}),
         "schedule, progress_resumes=0": ("COMMUX_SCHEDULE", "1", {"COMMUX_PROGRESS_RESUMES": "0"}),
     }
     started = {}
