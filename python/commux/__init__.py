@@ -13,6 +13,7 @@ or, portably:
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
@@ -70,6 +71,19 @@ _BUILT_WITH_TORCH = _check_torch()
 _C = _load_native()
 __version__ = _C.__version__
 ProcessGroupUCX = _C.ProcessGroupUCX
+
+
+
+def _quiesce_at_exit():
+    # Future callbacks (Python code, e.g. a DDP comm hook's .then()) run on commux's own threads.
+    # One that takes the GIL while the interpreter finalizes is ended on the spot, which aborts
+    # the process ("terminate called without an active exception") in a program that exits
+    # without destroy_process_group(). Before finalization: let those under way finish, start no
+    # more.
+    _C._quiesce_callbacks(2.0)
+
+
+atexit.register(_quiesce_at_exit)
 
 BACKEND_NAMES = ("ucx", "commux")
 _lock = threading.Lock()

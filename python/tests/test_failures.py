@@ -268,6 +268,31 @@ def test_staggered_destroy_and_exit(mode):
     assert took < 120, took
 
 
+def _exit_after_future_callbacks(ctx):
+    """Async all_reduces whose futures have Python callbacks (as a DDP comm hook's .then()),
+    waited through the chained futures; then the interpreter exits without
+    destroy_process_group(). The callbacks' cleanup (which takes the GIL) may still be under way
+    on a commux thread as the interpreter finalizes: without the package's exit hook
+    (commux._quiesce_at_exit) that thread was ended there and the process aborted
+    ("terminate called without an active exception"), in 7 of 20 two-rank worlds."""
+    x = torch.ones(10000)
+    for _ in range(3):
+        w = dist.all_reduce(x, async_op=True)
+        w.get_future().then(lambda f: f.value()[0] * 2).wait()
+    dist.all_reduce(x)
+    return mp.ExitAfterReply(float(x[0]), mode="natural")
+
+
+@pytest.mark.ucx_semantics  # commux's exit hook
+def test_exit_right_after_future_callbacks_does_not_abort():
+    for world in range(8):
+        outs, closed = mp.run_once(_exit_after_future_callbacks, 2, backend=BACKEND, pg_timeout_s=30,
+                                   timeout=60, close_timeout=30)
+        assert all(o.ok for o in outs), _describe(outs)
+        assert all(o.value == 16.0 for o in outs), [o.value for o in outs]
+        assert_all_exited(closed)
+
+
 # ---------------------------------------------------------------------------------------------
 # (d) invalid input
 

@@ -179,6 +179,17 @@ PYBIND11_MODULE(_C, m) {
                              "how many collectives of the group may run at once (COMMUX_INFLIGHT, "
                              "auto resolved)");
 
+  // The package's exit hook (python/commux/__init__.py): future completions on commux's threads
+  // stop, and those under way finish, before the interpreter finalizes (work.hpp).
+  m.def(
+      "_quiesce_callbacks",
+      [](double timeout_s) {
+        py::gil_scoped_release nogil;  // a callback under way may need the GIL to finish
+        return commux::c10d_detail::quiesce_callbacks(
+            std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000)));
+      },
+      py::arg("timeout_s"));
+
   // commux.ep's row work (src/c10d/ep_kernels.hpp).
   m.def(
       "_ep_route",

@@ -93,7 +93,31 @@ c10::intrusive_ptr<c10::ivalue::Future> Task::get_future() {
   return f;
 }
 
+namespace {
+std::atomic<int> g_completing{0};
+std::atomic<bool> g_quiesced{false};
+}  // namespace
+
+CallbackScope::CallbackScope() noexcept {
+  g_completing.fetch_add(1);
+  allowed_ = !g_quiesced.load();
+}
+
+CallbackScope::~CallbackScope() { g_completing.fetch_sub(1); }
+
+bool quiesce_callbacks(std::chrono::milliseconds timeout) {
+  g_quiesced.store(true);
+  const auto until = Clock::now() + timeout;
+  while (g_completing.load() > 0) {
+    if (Clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
 void Task::settle(c10::ivalue::Future& f) {
+  CallbackScope scope;
+  if (!scope.allowed()) return;  // the interpreter is exiting
   if (error) {
     f.setError(error);
   } else {
@@ -390,6 +414,9 @@ bool P2PWork::poll_future() {
   // comes back here on the same Work finds the lock taken and leaves it to the settler.
   std::unique_lock<std::mutex> settling(settle_mu_, std::try_to_lock);
   if (!settling.owns_lock()) return false;
+  CallbackScope scope;
+  // The interpreter is exiting: settle nothing more; keep the Work while UCX may use its tensors.
+  if (!scope.allowed()) return request_.done();
   c10::intrusive_ptr<c10::ivalue::Future> f;
   {
     std::lock_guard<std::mutex> lk(future_mu_);

@@ -38,6 +38,28 @@
 
 namespace commux::c10d_detail {
 
+// A future being completed, which runs its callbacks on this thread (Task::settle,
+// P2PWork::poll_future). The callbacks may be Python code, and a thread that is not Python's
+// own and takes the GIL while the interpreter finalizes is ended on the spot (pthread_exit),
+// which in a callback's cleanup aborts the process. So the Python package's exit hook calls
+// quiesce_callbacks(), which waits (boundedly, the GIL released) until no completion is under
+// way, and refuses the ones that would start after (they would be exiting the process anyway).
+class CallbackScope {
+ public:
+  CallbackScope() noexcept;
+  ~CallbackScope();
+  CallbackScope(const CallbackScope&) = delete;
+  CallbackScope& operator=(const CallbackScope&) = delete;
+  // False once quiesce_callbacks() ran: the completion must not run callbacks.
+  bool allowed() const noexcept { return allowed_; }
+
+ private:
+  bool allowed_;
+};
+// Stops future completions from starting and waits up to `timeout` for those under way; true if
+// none is left.
+bool quiesce_callbacks(std::chrono::milliseconds timeout);
+
 using Clock = std::chrono::steady_clock;
 
 c10::intrusive_ptr<c10::ivalue::Future> make_tensor_list_future();
