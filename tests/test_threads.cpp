@@ -572,6 +572,9 @@ TEST(Threads, RemovingADriverWaitsForItsRunningCall) {
   }
   EXPECT_EQ(d->calls.load(), calls);
   EXPECT_FALSE(d->after_removal.load()) << "a removed driver was called";
+  // A channel that has shut down takes no driver: its owner must drive its work itself.
+  comm->shutdown();
+  EXPECT_FALSE(detail::channel(*comm).set_driver(std::make_shared<SlowDriver>()));
 }
 
 }  // namespace

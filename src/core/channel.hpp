@@ -125,7 +125,8 @@ class Channel {
   // Safe to call twice.
   virtual void shutdown() = 0;
   // Has the channel's progress thread call `driver` (nullptr: no driver). Returns false when the
-  // channel has no progress thread (the caller must then drive its work itself). A driver set
+  // channel has no progress thread, or has shut down (the caller must then drive its work
+  // itself). A driver set
   // stays until replaced, or until shutdown(); replacing it returns once no call of the old
   // one is running, unless made from inside that call.
   virtual bool set_driver(std::shared_ptr<Driver> driver) {

@@ -62,8 +62,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override;
   void shutdown() override;
   bool set_driver(std::shared_ptr<Driver> driver) override {
-    worker_.set_driver(this, std::move(driver));
-    return true;
+    return worker_.set_driver(this, std::move(driver));
   }
   void wake_driver() noexcept override { worker_.wake_if_asleep(std::chrono::microseconds(100)); }
 

@@ -65,8 +65,9 @@ void Worker::detach(Engine* engine) {
   drivers_.erase(gone, drivers_.end());
 }
 
-void Worker::set_driver(Engine* engine, std::shared_ptr<Driver> driver) {
+bool Worker::set_driver(Engine* engine, std::shared_ptr<Driver> driver) {
   std::shared_ptr<Driver> old;  // released outside the locks
+  bool set = driver == nullptr;
   {
     std::lock_guard<std::mutex> a(engines_mu_);
     auto it = std::find_if(drivers_.begin(), drivers_.end(),
@@ -75,6 +76,7 @@ void Worker::set_driver(Engine* engine, std::shared_ptr<Driver> driver) {
       old = std::move(it->second);
       if (driver) {
         it->second = std::move(driver);
+        set = true;
       } else {
         drivers_.erase(it);
         driver_count_.fetch_sub(1);
@@ -82,12 +84,14 @@ void Worker::set_driver(Engine* engine, std::shared_ptr<Driver> driver) {
     } else if (driver && std::find(engines_.begin(), engines_.end(), engine) != engines_.end()) {
       drivers_.emplace_back(engine, std::move(driver));
       driver_count_.fetch_add(1);
+      set = true;
     }
   }
   // A round that copied the old driver before the swap holds drive_mu_ until its calls end.
   if (old && !t_progress_thread) {
     std::lock_guard<std::mutex> g(drive_mu_);
   }
+  return set;
 }
 
 bool Worker::drive() {

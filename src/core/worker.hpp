@@ -56,8 +56,9 @@ class Worker {
   void attach(Engine* engine);
   void detach(Engine* engine);  // drops its driver too
   // The driver the progress thread calls for `engine` (Channel::set_driver; nullptr: none).
-  // Returns once no call of the old one runs, unless called from inside that call.
-  void set_driver(Engine* engine, std::shared_ptr<Driver> driver);
+  // Returns once no call of the old one runs, unless called from inside that call; false if a
+  // driver was given for an Engine that is not attached (it is not called then).
+  bool set_driver(Engine* engine, std::shared_ptr<Driver> driver);
   // One progress step: UCX's, then each Engine's own (deferred work, failing receives that wait
   // on gone peers). [mu]
   unsigned progress_locked();
