@@ -1,5 +1,7 @@
 #include "pool.hpp"
 
+#include "work.hpp"
+
 #include <thread>
 
 namespace commux::c10d_detail {
@@ -32,6 +34,7 @@ int CollectivePool::threads() {
 }
 
 void CollectivePool::loop() {
+  CallbackScope::on_commux_thread();  // the futures it completes: see work.hpp
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     ++waiting_;

@@ -72,6 +72,7 @@ bool FutureWatcher::release(P2PWork* work) {
 }
 
 void FutureWatcher::loop() {
+  CallbackScope::on_commux_thread();  // the futures it completes: see work.hpp
   // With futures to complete: polls with a backoff (20 us .. 2 ms). With only Works to release:
   // every kReleasePeriod. With nothing for kIdleBeforeSleep: asleep until watch() wakes it.
   auto backoff = std::chrono::microseconds(20);

@@ -96,12 +96,15 @@ c10::intrusive_ptr<c10::ivalue::Future> Task::get_future() {
 namespace {
 std::atomic<int> g_completing{0};
 std::atomic<bool> g_quiesced{false};
+thread_local bool t_commux_thread = false;
 }  // namespace
 
 CallbackScope::CallbackScope() noexcept {
   g_completing.fetch_add(1);
-  allowed_ = !g_quiesced.load();
+  allowed_ = !t_commux_thread || !g_quiesced.load();
 }
+
+void CallbackScope::on_commux_thread() noexcept { t_commux_thread = true; }
 
 CallbackScope::~CallbackScope() { g_completing.fetch_sub(1); }
 

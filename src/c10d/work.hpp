@@ -40,18 +40,22 @@ namespace commux::c10d_detail {
 
 // A future being completed, which runs its callbacks on this thread (Task::settle,
 // P2PWork::poll_future). The callbacks may be Python code, and a thread that is not Python's
-// own and takes the GIL while the interpreter finalizes is ended on the spot (pthread_exit),
-// which in a callback's cleanup aborts the process. So the Python package's exit hook calls
-// quiesce_callbacks(), which waits (boundedly, the GIL released) until no completion is under
-// way, and refuses the ones that would start after (they would be exiting the process anyway).
+// own (commux's pool and watcher threads) and takes the GIL while the interpreter finalizes is
+// ended on the spot (pthread_exit), which in a callback's cleanup aborts the process. So the
+// Python package's exit hook calls quiesce_callbacks(), which waits (boundedly, the GIL
+// released) until no completion is under way, and refuses the ones that would start after on
+// commux's threads (Python's own threads, which take no harm, still complete theirs).
 class CallbackScope {
  public:
   CallbackScope() noexcept;
   ~CallbackScope();
   CallbackScope(const CallbackScope&) = delete;
   CallbackScope& operator=(const CallbackScope&) = delete;
-  // False once quiesce_callbacks() ran: the completion must not run callbacks.
+  // False on a commux thread once quiesce_callbacks() ran: the completion must not run
+  // callbacks.
   bool allowed() const noexcept { return allowed_; }
+  // Marks the calling thread as one of commux's own (the pool's and the watcher's loops).
+  static void on_commux_thread() noexcept;
 
  private:
   bool allowed_;
