@@ -509,3 +509,22 @@ def test_buffer_under_torch_distributed_debug_detail():
         backend, own = o.value
         assert backend != "ProcessGroupUCX", f"the backend was not wrapped ({backend}): the test proves nothing"
         assert own, "the Buffer fell back to all_to_all_single under the wrapper"
+
+
+def test_pack_moves_host_row_fields_to_the_device_of_the_token_fields():
+    """On a GPU, dispatch packs per-token fields (on the tokens' device) with per-row fields that
+    the route computed on the host (source rows, expert ids). Every normal-mode dispatch on CUDA
+    and every fp8 low-latency one failed with "the parts must be on one device" until the host
+    fields were moved. The meta device stands in for a second device here: the packed rows must
+    be on the token fields' device with every row's bytes, and token fields on two devices must
+    still be refused."""
+    from commux import _C
+    T, counts, stride = 3, [2, 2], 16
+    idx = torch.zeros(T, 2, dtype=torch.int32, device="meta")
+    w = torch.zeros(T, 2, dtype=torch.float32, device="meta")
+    order = torch.tensor([0, 2, 1, 2])
+    packed = _C._ep_pack([idx, w], [0, 8], order, [order.to(torch.int32)], [12], counts, stride)
+    assert packed.device.type == "meta" and packed.numel() == sum(counts) * stride
+    with pytest.raises(ValueError, match="per-token parts must be on one device"):
+        _C._ep_pack([idx, torch.zeros(T, 2)], [0, 8], order, [], [], counts, stride)
+
