@@ -196,9 +196,14 @@ def _quantize_fp8(x: torch.Tensor, round_scale: bool):
     scale = max(|x|, 1e-4) / 448 (rounded up to a power of two with round_scale)."""
     t, h = x.shape
     blocks = x.float().view(t, h // _FP8_BLOCK, _FP8_BLOCK)
-    scale = blocks.abs().amax(dim=2).clamp(min=1e-4) / _FP8_MAX
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+    # The same bits on every device: a divisor of the dividend's shape, because a CUDA tensor
+    # divided by a Python number is multiplied by its reciprocal (an ulp off the quotient the CPU
+    # computes), and the power of two from frexp rather than log2, whose last bit varies.
+    scale = amax / torch.full_like(amax, _FP8_MAX)
     if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        m, e = torch.frexp(scale)  # scale = m * 2**e, 0.5 <= m < 1: the next power of two is 2**e
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(m == 0.5, e - 1, e))
     q = (blocks / scale.unsqueeze(2)).view(t, h).to(torch.float8_e4m3fn)
     return q, scale.contiguous()
 

@@ -528,3 +528,25 @@ def test_pack_moves_host_row_fields_to_the_device_of_the_token_fields():
     with pytest.raises(ValueError, match="per-token parts must be on one device"):
         _C._ep_pack([idx, torch.zeros(T, 2)], [0, 8], order, [], [], counts, stride)
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_scales_are_the_same_bits_on_every_device(device, round_scale):
+    """Low-latency fp8 scales are max(|x|, 1e-4) / 448 per 128-column block, correctly rounded
+    (float64 then float32 is: 53 >= 2 * 24 + 2 bits), or with round_scale the power of two at or
+    above it. On CUDA the scales were an ulp off for most blocks (a tensor divided by a Python
+    number is multiplied by its reciprocal there), so GPU results differed from the CPU's."""
+    from commux.ep import _quantize_fp8
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 1024, generator=g) * torch.rand(64, 1, generator=g) * 30).to(BF16)
+    x[0, :128] = 0  # the 1e-4 floor
+    x[1, :128] = 448 * 2.0 ** -3  # a power of two exactly: round_scale keeps it
+    q, s = _quantize_fp8(x.to(device), round_scale)
+    amax = x.float().view(64, 8, 128).abs().amax(2).clamp(min=1e-4)
+    want = (amax.double() / 448).float()
+    if round_scale:
+        want = torch.exp2(torch.ceil(torch.log2(want.double()))).float()
+    assert torch.equal(s.cpu(), want), f"scales differ in {int((s.cpu() != want).sum())} of {want.numel()} blocks"
+    wq = (x.float().view(64, 8, 128) / want.unsqueeze(2)).view(64, 1024).to(FP8)
+    assert torch.equal(q.cpu().view(torch.uint8), wq.view(torch.uint8))
