@@ -48,6 +48,8 @@
 #   GPU_CHECK_DIR       work directory: site/ (emptied first) and build/ (default /tmp/cx)
 #   GPU_CHECK_BUDGET_S  the whole run's budget in seconds (default 450; 1800 with --cpu-smoke)
 #   GPU_CHECK_BENCH_ARGS  extra arguments for bench/cuda_bench.py (e.g. "--quick")
+#   GPU_CHECK_STEPS     only these steps (comma-separated, e.g. "ep-tests,ep-bench" to rerun what
+#                       failed); env and install always run, the others are recorded as skipped
 #   OUT                 where outputs go (default results/gpu)
 # --cpu-smoke: a dry run on a machine without a GPU (e.g. GPU_CHECK_PYTHON=.venv/bin/python
 #   scripts/gpu_check.sh --cpu-smoke): the same install and info, the bench with --device cpu
@@ -111,6 +113,10 @@ state_of() {  # the recorded state of a step, or "none"
 # the last lines of the log when it fails). Records ok / FAILED / skipped.
 step() {
   local name=$1 cap=$2 show=$3 fn=$4 left limit rc t0 log
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS,env,install," != *",$name,"* ]]; then
+    record "$name" skipped 0 "not in GPU_CHECK_STEPS"
+    return 0
+  fi
   left=$((deadline - SECONDS - reserve))
   limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 20 ]; then
