@@ -6,7 +6,8 @@
 #   1. env        prints the machine, python, torch/CUDA and nvidia-smi
 #   2. install    installs the carried UCX wheel(s) from .whl/ and builds commux against the
 #                 installed torch (pip --no-index --no-build-isolation --no-deps) into a private
-#                 site directory, then imports it
+#                 site directory, imports it, and checks that its libraries load the shared
+#                 libstdc++.so.6 (not a static copy)
 #   3. info       python -m commux.info (UCX version, transports, memory types, settings)
 #   4. cuda-tests python/tests/test_cuda.py (2 and 3 ranks on the one GPU), per-test timeout
 #   5. ep-tests   python/tests/test_ep.py: commux.ep (DeepEP's Buffer) on CUDA tensors, 2 and 3 ranks
@@ -165,6 +166,8 @@ step_env() {
   echo "gcc       $(g++ --version 2>/dev/null | head -n 1 || echo 'g++ not found')"
   echo "cmake     $(cmake --version 2>/dev/null | head -n 1 || echo 'not on PATH')"
   echo "nvcc      $(nvcc --version 2>/dev/null | tail -n 1 || echo 'not on PATH (not needed)')"
+  # How the C++ runtime would be linked (cmake/CommuxLibstdcxx.cmake keeps it shared)
+  echo "libstdc++ to link: $(g++ -print-file-name=libstdc++.so 2>/dev/null); LDFLAGS='${LDFLAGS:-}' CXXFLAGS='${CXXFLAGS:-}'"
   echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-}  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}"
   env | grep -E '^(UCX|COMMUX)_' | sed 's/^/env       /' || true
   "$PY" - <<'EOF' || exit 1
@@ -229,6 +232,17 @@ print('install: commux', commux.__version__, 'from', os.path.dirname(commux.__fi
       'built for torch', commux._BUILT_WITH_TORCH, '; libucx', libucx.__version__,
       'from', os.path.dirname(libucx.__file__))
 assert commux.__file__.startswith(os.environ['SITE']), 'a different commux was imported'"
+  # The shared C++ runtime, as torch's (a static copy crashed COMMUX_DEBUG logging on a GPU
+  # machine; python/tests/test_package.py checks the same on CPU builds).
+  local f bad=0
+  for f in "$SITE"/commux/lib/libcommux.so.0 "$SITE"/commux/lib/libcommux_c10d.so.0 "$SITE"/commux/_C*.so; do
+    if ! readelf -d "$f" | grep -q 'NEEDED.*\[libstdc++\.so\.6\]'; then
+      echo "install: $f does not load libstdc++.so.6: it carries a static copy of the C++ runtime"
+      bad=1
+    fi
+  done
+  [ "$bad" = 0 ] || exit 4
+  echo "install: the libraries load the shared libstdc++.so.6"
 }
 
 step_info() {

@@ -68,3 +68,31 @@ def test_torch_version_mismatch_is_a_clear_import_error(tmp_path):
     r = _run(["-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import commux"])
     assert r.returncode != 0
     assert "ImportError" in r.stderr and "1.0.0" in r.stderr and "no-build-isolation" in r.stderr, r.stderr
+
+
+def _readelf(*args):
+    try:
+        return subprocess.run(["readelf", *args], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"readelf is not usable here: {e}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF libraries")
+def test_the_libraries_use_the_shared_cxx_runtime():
+    """libcommux, libcommux_c10d and _C load the shared libstdc++.so.6, as torch does, and carry no
+    copy of their own. A build on a GPU machine linked libstdc++ statically into all three: every
+    rank then crashed formatting its first COMMUX_DEBUG line (a static copy's iostreams do not
+    work beside the process's shared one); built with LDFLAGS=-static-libstdc++ here, each log
+    line stopped at its first number. cmake/CommuxLibstdcxx.cmake prevents both."""
+    import commux
+    lib, pkg = commux.get_lib_dir(), os.path.dirname(commux.__file__)
+    paths = [os.path.join(lib, "libcommux.so.0"), os.path.join(lib, "libcommux_c10d.so.0")]
+    paths += [os.path.join(pkg, f) for f in os.listdir(pkg) if f.startswith("_C") and f.endswith(".so")]
+    for p in paths:
+        assert os.path.isfile(p), p
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", _readelf("-d", "--wide", p))
+        assert "libstdc++.so.6" in needed, f"{p} does not load libstdc++.so.6 (NEEDED: {needed})"
+        # std::locale::classic(), defined (not UND) in a library that carries its own libstdc++
+        defined = [line for line in _readelf("--dyn-syms", "--wide", p).splitlines()
+                   if line.endswith(" _ZNSt6locale7classicEv") and " UND " not in line]
+        assert not defined, f"{p} carries its own copy of libstdc++: {defined}"
