@@ -107,6 +107,7 @@ void Exchange::identify(const CallId& id) {
   h = mix(h, static_cast<std::uint64_t>(id.root + 1));
   h = mix(h, id.bytes);
   h = mix(h, id.extra);
+  h = mix(h, id.device_pipeline ? 1u : 0u);
   h = mix(h, ctx_.call_key);
   wire_ = call_wire_tag(ctx_.tag, h);
 }
@@ -134,6 +135,9 @@ std::string Exchange::describe_call() const {
   if (id_.algo != nullptr && *id_.algo != '\0') {
     text += std::string(text.empty() ? "" : ", ") + id_.algo;
   }
+  // A large reduction is cut by its memory class (internal.hpp): named, so that ranks in device
+  // and in host memory see why their calls differ.
+  if (id_.device_pipeline) text += std::string(text.empty() ? "" : ", ") + "in device memory";
   return call_name(ctx_) + (text.empty() ? "" : " (" + text + ")");
 }
 

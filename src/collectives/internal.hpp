@@ -40,15 +40,25 @@ void windowed_steps(int n, Post post, Local local, Finish finish) {
   }
 }
 
-// Large messages are cut into chunks of about this size where an algorithm pipelines (the 2-rank
-// halves exchange, reduce): the next chunk travels while the previous one is reduced, and
-// scratch memory stays small and in cache.
+// Large messages are cut into chunks where an algorithm pipelines (the 2-rank halves exchange,
+// ring, recursive halving, reduce): the next chunk travels while the previous one is reduced, and
+// scratch memory stays small. In host memory about 1 MiB, so that a chunk stays in cache. In
+// device memory (Exchange::work_mem() not kHost: the reductions run on the device) about 16 MiB:
+// each device message (a UCX cuda_ipc rendezvous) and each device reduction (a kernel and a
+// stream synchronization) has a cost of its own whatever its size, and with 1 MiB chunks a
+// 64 MiB float32 all_reduce of 2 ranks on one H200 took 12.1 ms, against 1.6 ms with 16 MiB
+// chunks in the same run (docs/gpu.md). Since the chunks of a range are its messages, ranks must
+// cut alike: a reduction of more than kPipelineChunkBytes carries the memory class in its call
+// fingerprint (CallId::device_pipeline), so ranks that differ fail loudly instead of
+// mismatching their messages.
 inline constexpr std::size_t kPipelineChunkBytes = std::size_t{1} << 20;
+inline constexpr std::size_t kDevicePipelineChunkBytes = std::size_t{16} << 20;
 
-// Number of pipeline chunks for `bytes` (at least 1).
-inline int pipeline_chunks(std::size_t bytes) {
-  return static_cast<int>(
-      std::max<std::size_t>(1, (bytes + kPipelineChunkBytes - 1) / kPipelineChunkBytes));
+// Number of pipeline chunks for `bytes` (at least 1) reduced in memory of type `work_mem`.
+inline int pipeline_chunks(std::size_t bytes, MemoryType work_mem) {
+  const std::size_t chunk =
+      work_mem == MemoryType::kHost ? kPipelineChunkBytes : kDevicePipelineChunkBytes;
+  return static_cast<int>(std::max<std::size_t>(1, (bytes + chunk - 1) / chunk));
 }
 
 // Ring allgather over one buffer: rank r already holds bytes [displs[r], displs[r] + counts[r])

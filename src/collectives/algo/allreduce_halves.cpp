@@ -28,7 +28,7 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   const std::size_t h = count / 2;
   const std::size_t own_off = r == 0 ? 0 : h, own_n = r == 0 ? h : count - h;
   const std::size_t oth_off = r == 0 ? h : 0, oth_n = count - own_n;
-  const int k = pipeline_chunks(std::max(own_n, oth_n) * es);
+  const int k = pipeline_chunks(std::max(own_n, oth_n) * es, ex.work_mem());
   const pattern::Blocks oc{own_n, k}, xc{oth_n, k};
   auto own = [&](int j) { return buf + (own_off + oc.offset(j)) * es; };
   auto oth = [&](int j) { return buf + (oth_off + xc.offset(j)) * es; };

@@ -29,7 +29,7 @@ void run(Exchange& ex, const AllreduceArgs& a) {
   const int left = pattern::ring_left(r, n), right = pattern::ring_right(r, n);
   auto at = [&](int b) { return a.buf + bl.offset(b) * es; };
   auto chunks = [&](int b) {
-    return pattern::Blocks{bl.size(b), pipeline_chunks(bl.size(b) * es)};
+    return pattern::Blocks{bl.size(b), pipeline_chunks(bl.size(b) * es, ex.work_mem())};
   };
   std::size_t max_chunk = 0;
   for (int b = 0; b < n; ++b) max_chunk = std::max(max_chunk, chunks(b).max());

@@ -19,7 +19,7 @@ void run(Exchange& ex, const ReduceArgs& a) {
   char* mine = a.buf;
   const pattern::Tree tree = pattern::binomial_tree(r, n, a.root);
   ex.phase("binomial tree");
-  const int k = pipeline_chunks(count * es);
+  const int k = pipeline_chunks(count * es, ex.work_mem());
   const pattern::Blocks ch{count, k};
   const auto at = [&](int c) { return mine + ch.offset(c) * es; };
   // (Arrays on the stack: a small reduce should not allocate for its bookkeeping.)
