@@ -201,8 +201,8 @@ at::Tensor pack(const std::vector<at::Tensor>& parts, const std::vector<std::int
     // The indexed parts (the caller's per-token tensors) share a device, where the rows are
     // built; row parts (the route's host tensors: source rows, expert ids) are moved there.
     if (indexed && p.device() != device) {
-      bad("pack: the per-token parts must be on one device (part " + std::to_string(f) +
-          " is on " + p.device().str() + ", part 0 on " + device.str() + ")");
+      bad("pack: the per-token parts must be on one device (part " + std::to_string(f) + " is on " +
+          p.device().str() + ", part 0 on " + device.str() + ")");
     }
     const std::int64_t nb = row_bytes(p);
     if (off < 0 || off + nb > stride) {

@@ -251,10 +251,10 @@ const Algorithm<A>& choose(Exchange& ex, const Table<A>& tab, int n, const A& a,
   }
   id.algo = chosen->name;
   // Where the chunks of a large reduction differ by memory class, so does the call (internal.hpp).
-  const bool reduces = tab.coll == Coll::kAllreduce || tab.coll == Coll::kReduce ||
-                       tab.coll == Coll::kReduceScatter;
-  id.device_pipeline = reduces && ex.work_mem() != MemoryType::kHost &&
-                       call_bytes(n, a) > kPipelineChunkBytes;
+  const bool reduces =
+      tab.coll == Coll::kAllreduce || tab.coll == Coll::kReduce || tab.coll == Coll::kReduceScatter;
+  id.device_pipeline =
+      reduces && ex.work_mem() != MemoryType::kHost && call_bytes(n, a) > kPipelineChunkBytes;
   ex.identify(id);
   if (log::enabled(log::Level::kInfo)) {
     const bool was_forced = !forced.empty() && forced == chosen->name;

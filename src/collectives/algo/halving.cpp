@@ -46,7 +46,8 @@ void recursive_halving(Exchange& ex, const HalvingIo& io, const std::size_t* off
   std::size_t max_chunk = 0;
   for (const auto& st : steps) {
     const std::size_t kn = off[st.keep_hi] - off[st.keep_lo];
-    max_chunk = std::max(max_chunk, pattern::Blocks{kn, pipeline_chunks(kn * es, ex.work_mem())}.max());
+    max_chunk =
+        std::max(max_chunk, pattern::Blocks{kn, pipeline_chunks(kn * es, ex.work_mem())}.max());
   }
   constexpr std::size_t kSlots = 3;
   char* slot[kSlots] = {ex.scratch(max_chunk * es), ex.scratch(max_chunk * es),
@@ -60,7 +61,8 @@ void recursive_halving(Exchange& ex, const HalvingIo& io, const std::size_t* off
     // Both sides cut a range into chunks the same way: by the range's own size.
     const std::size_t klo = off[st.keep_lo], kn = off[st.keep_hi] - klo;
     const std::size_t slo = off[st.send_lo], sn = off[st.send_hi] - slo;
-    const pattern::Blocks kc{kn, pipeline_chunks(kn * es, ex.work_mem())}, sc{sn, pipeline_chunks(sn * es, ex.work_mem())};
+    const pattern::Blocks kc{kn, pipeline_chunks(kn * es, ex.work_mem())},
+        sc{sn, pipeline_chunks(sn * es, ex.work_mem())};
     const auto nk = static_cast<std::size_t>(kc.n);
     std::vector<std::size_t> rids(nk);
     auto post = [&](std::size_t j) {
