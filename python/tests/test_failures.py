@@ -422,3 +422,51 @@ def test_invalid_input_names_the_group(case):
         if "group '" not in r["msg"] or f"rank {o.rank} of {WORLD_INVALID}" not in r["msg"]:
             problems.append(f"rank {o.rank}: the group is not named: {r['type']}: {r['msg']!r}")
     assert not problems, f"{case}:\n" + "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) the store's host exits while another rank starts
+
+_STORE_HOST = """
+import datetime, sys, time
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, timeout=datetime.timedelta(seconds=60))
+s.wait(["joining"])  # the other rank is about to wait in its init
+time.sleep(1.0)
+"""
+_JOINER = """
+import datetime, sys, time
+import torch.distributed as dist
+import commux  # noqa: F401
+s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False, timeout=datetime.timedelta(seconds=60))
+s.set("joining", "1")
+t0 = time.monotonic()
+try:
+    dist.init_process_group("ucx", store=s, rank=1, world_size=2, timeout=datetime.timedelta(seconds=60))
+    print("JOINED")
+except Exception as e:
+    print(f"ERROR after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
+"""
+
+
+@pytest.mark.ucx_semantics
+def test_store_host_exiting_during_init_is_not_called_a_timeout():
+    """Rank 0 hosts the store and exits while rank 1 waits in init for its keys. Rank 1 fails at
+    once and says the store's connection broke. On a GPU machine, where rank 0 had crashed, it
+    said "has not joined ... did not appear in the store within 1800000 ms", at once, sending
+    the reader after a timeout that never happened."""
+    import subprocess
+    import sys
+    port = mp.free_port()
+    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(port)], env=env)
+    try:
+        r = subprocess.run([sys.executable, "-c", _JOINER, str(port)], env=env, capture_output=True,
+                           text=True, timeout=90)
+    finally:
+        host.wait(timeout=30)
+    out = r.stdout.strip()
+    assert out.startswith("ERROR"), f"rank 1: {out!r}\n{r.stderr[-2000:]}"
+    assert "connection broke" in out and "rank that hosts the store" in out, out
+    assert "did not appear" not in out, out
+    assert float(out.split()[2]) < 30, out

@@ -81,6 +81,13 @@ class C10dStore final : public Store {
                                 std::chrono::milliseconds timeout) override {
     try {
       store_->wait({key}, timeout);
+    } catch (const c10::DistNetworkError&) {
+      // Not a timeout: the store's connection broke (its host, rank 0 as a rule, exited or
+      // crashed). Said at once, instead of "did not appear within <the whole timeout>".
+      throw Error(Errc::kPeerFailed,
+                  "commux init: the store's connection broke while this rank waited for key '" +
+                      key + "' (has the rank that hosts the store, usually rank 0, exited?): " +
+                      c10d_detail::current_message());
     } catch (const std::exception&) {
       // The store's own message, without the C++ backtrace a c10::Error's what() carries.
       throw Error(Errc::kTimeout,
