@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -72,8 +73,7 @@ void Peers::connect(Store& store, const Options& options) {
     Peer& pr = (*this)[peer];
     pr.identity = remote.identity;
     pr.same_host = remote.identity.host == me.host;
-    pr.owner = this;
-    pr.rank = peer;
+    pr.target = new ErrorTarget{this, peer};  // freed or kept by close_all_locked()
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -82,7 +82,7 @@ void Peers::connect(Store& store, const Options& options) {
     // peer_record.hpp); those are watched by check_local() instead.
     ep.err_mode = pr.same_host ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = &Peers::ep_error_cb;
-    ep.err_handler.arg = &pr;
+    ep.err_handler.arg = pr.target;
     std::lock_guard<std::mutex> lock(worker_.mutex());
     const ucs_status_t created = ucp_ep_create(worker_.handle(), &ep, &pr.ep);
     if (created != UCS_OK && pr.same_host) {
@@ -202,8 +202,10 @@ void Peers::fail_unwired_locked(int peer, ucs_status_t status) {
 }
 
 void Peers::ep_error_cb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
-  auto* peer = static_cast<Peer*>(arg);
-  peer->owner->fail_locked(peer->rank, status, ucs_status_string(status));
+  const auto* target = static_cast<const ErrorTarget*>(arg);
+  // Detached: its Peers have shut down (and may be gone), the endpoint is closing.
+  if (target->owner == nullptr) return;
+  target->owner->fail_locked(target->rank, status, ucs_status_string(status));
 }
 
 void Peers::fail_locked(int peer, ucs_status_t status, const std::string& reason) {
@@ -349,6 +351,32 @@ void Peers::close_all_locked(Clock::time_point deadline) {
   complete_requests_locked(worker_.handle(), closing, deadline);
   for (void* r : closing_) ucp_request_free(r);
   closing_.clear();
+  release_targets_locked(/*worker_gone=*/false);
+}
+
+void Peers::release_targets_locked(bool worker_gone) {
+  // Never destroyed, so what they hold stays reachable (no leak report) to the end of the
+  // process; their own lock, since Peers on different workers may release at once.
+  static auto* kept_mu = new std::mutex;
+  static auto* kept = new std::vector<std::unique_ptr<ErrorTarget>>;
+  std::lock_guard<std::mutex> g(*kept_mu);
+  for (Peer& pr : peers_) {
+    if (pr.target == nullptr) continue;
+    std::unique_ptr<ErrorTarget> t(pr.target);
+    pr.target = nullptr;
+    t->owner = nullptr;
+    // UCX may call a closed endpoint's error handler later still: a force-closed endpoint whose
+    // TCP lane then failed did (ASan, Failures.ARankThatLeavesRightAfterStartCrashesNoPeer). So a
+    // target is kept to the end of the process (16 bytes per endpoint it ever made).
+    if (!worker_gone) kept->push_back(std::move(t));
+  }
+}
+
+Peers::~Peers() {
+  // Normally close_all_locked() has released the targets. Where it has not run (no worker left to
+  // call back, or a start that failed before its endpoints), what remains is detached and kept.
+  std::lock_guard<std::mutex> lock(worker_.mutex());
+  release_targets_locked(/*worker_gone=*/worker_.handle() == nullptr);
 }
 
 }  // namespace commux::detail

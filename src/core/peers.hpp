@@ -41,8 +41,18 @@ struct Peer {
   std::string reason;                                 // [mu] why the peer is gone
   ProcessIdentity identity;                           // set in connect(), then read-only
   bool same_host = false;                             // set in connect(), then read-only
-  // The endpoint error callback's argument is the Peer itself; these lead it back.
-  Peers* owner = nullptr;
+  // The endpoint error callback's argument (ErrorTarget): nullptr until the endpoint is made.
+  struct ErrorTarget* target = nullptr;
+};
+
+// The argument of an endpoint's error callback. UCX may call that callback until the endpoint's
+// close has completed, and a close can outlast the Peers: the worker is the process's and lives
+// on, and UCX 1.22 was seen calling a force-closed endpoint's handler when its TCP lane failed
+// afterwards. So the target is a block of its own: close_all_locked() detaches it (owner =
+// nullptr; every callback runs under the worker lock, as progress does) and keeps it to the end
+// of the process. The callback of a detached target does nothing.
+struct ErrorTarget {
+  Peers* owner = nullptr;  // [mu] nullptr once detached
   int rank = -1;
 };
 
@@ -52,6 +62,7 @@ class Peers {
   // every Engine on it; a peer's failure fails the owner's only (Op::engine).
   Peers(Worker& worker, int rank, int size, const Engine* owner) noexcept
       : worker_(worker), rank_(rank), size_(size), owner_(owner) {}
+  ~Peers();
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;
 
@@ -106,6 +117,9 @@ class Peers {
   // An endpoint whose flush failed at start-up: its peer is marked gone, saying so. [mu]
   void fail_unwired_locked(int peer, ucs_status_t status);
   void reap_failed_locked(bool idle);
+  // Detaches every endpoint's ErrorTarget: frees them where the worker is gone (no callback can
+  // come), else keeps them to the end of the process. [mu]
+  void release_targets_locked(bool worker_gone);
 
   bool mine(const Op& op) const noexcept;  // an Op of this Peers' Engine
 
@@ -113,7 +127,7 @@ class Peers {
   const int rank_;
   const int size_;
   const Engine* owner_;
-  std::vector<Peer> peers_;     // sized once in connect() (the error callbacks hold &peers_[p])
+  std::vector<Peer> peers_;     // sized once in connect()
   std::vector<void*> closing_;  // [mu] force-close requests of dead peers
   bool any_failed_ = false;     // [mu]
   int first_failed_ = -1;       // [mu] the first peer that failed, once any_failed_
