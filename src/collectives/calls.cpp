@@ -107,7 +107,7 @@ void Exchange::identify(const CallId& id) {
   h = mix(h, static_cast<std::uint64_t>(id.root + 1));
   h = mix(h, id.bytes);
   h = mix(h, id.extra);
-  h = mix(h, id.device_pipeline ? 1u : 0u);
+  if (id.device_pipeline) h = mix(h, 1);  // (host calls keep the fingerprint they had)
   h = mix(h, ctx_.call_key);
   wire_ = call_wire_tag(ctx_.tag, h);
 }
