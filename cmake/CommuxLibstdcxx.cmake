@@ -21,8 +21,9 @@ if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang" AND CMAKE_SYSTEM_NAME STREQUAL "Lin
                       "libstdc++, as torch does (a static copy breaks iostreams in the process)")
     endif()
   endforeach()
+  separate_arguments(_commux_cxx_flags UNIX_COMMAND "${CMAKE_CXX_FLAGS}")
   foreach(_name libstdc++.so libstdc++.so.6 libstdc++.a)
-    execute_process(COMMAND ${CMAKE_CXX_COMPILER} ${CMAKE_CXX_FLAGS} -print-file-name=${_name}
+    execute_process(COMMAND ${CMAKE_CXX_COMPILER} ${_commux_cxx_flags} -print-file-name=${_name}
                     OUTPUT_VARIABLE _path OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
     string(MAKE_C_IDENTIFIER "${_name}" _key)
     set(_commux_${_key} "")

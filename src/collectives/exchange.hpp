@@ -43,8 +43,7 @@ struct CallId {
   std::size_t bytes = 0;    // bytes (broadcast; gather/scatter per rank; equal allgather parts)
   std::uint64_t extra = 0;  // a hash of per-rank counts or offsets
   bool uneven = false;      // allgatherv parts of different sizes
-  bool device_pipeline =
-      false;  // a reduction over > 1 MiB cut in device-sized chunks (internal.hpp)
+  bool device_pipeline = false;  // a reduction of > 1 MiB in device memory (internal.hpp)
 };
 
 class Exchange {

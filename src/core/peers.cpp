@@ -73,7 +73,7 @@ void Peers::connect(Store& store, const Options& options) {
     Peer& pr = (*this)[peer];
     pr.identity = remote.identity;
     pr.same_host = remote.identity.host == me.host;
-    pr.target = new ErrorTarget{this, peer};  // freed or kept by close_all_locked()
+    pr.target = new ErrorTarget{this, peer};  // detached and kept by close_all_locked()
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;

@@ -34,6 +34,8 @@ struct Op;
 bool complete_requests_locked(ucp_worker_h worker, std::vector<void*>& requests,
                               std::chrono::steady_clock::time_point deadline);
 
+struct ErrorTarget;  // below
+
 struct Peer {
   ucp_ep_h ep = nullptr;         // [mu] nullptr before connecting and once closed
   ucs_status_t status = UCS_OK;  // [mu] UCS_OK or why the peer failed
@@ -41,8 +43,8 @@ struct Peer {
   std::string reason;                                 // [mu] why the peer is gone
   ProcessIdentity identity;                           // set in connect(), then read-only
   bool same_host = false;                             // set in connect(), then read-only
-  // The endpoint error callback's argument (ErrorTarget): nullptr until the endpoint is made.
-  struct ErrorTarget* target = nullptr;
+  // The endpoint error callback's argument: nullptr until the endpoint is made.
+  ErrorTarget* target = nullptr;
 };
 
 // The argument of an endpoint's error callback. UCX may call that callback until the endpoint's
