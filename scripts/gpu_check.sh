@@ -14,10 +14,14 @@
 #                 on the one GPU, checked bitwise against the reference
 #   6. bench      bench/cuda_bench.py: p2p bandwidth 1 MiB .. 1 GiB against a device-to-device
 #                 copy, allreduce 1 .. 256 MiB against Gloo, every result checked
-#   7. ep-bench   bench/ep on CUDA tensors, 2 ranks, the small workload (every result checked by the
+#   7. latency    bench/experiments/device_latency.py: a small device transfer's time in raw UCX
+#                 (ucx_perftest tag_lat, host and cuda memory) beside commux's p2p and all_reduce
+#                 (sleeping waits, then polling ones), and the protocols UCX chose for device
+#                 memory (results in $OUT/latency/)
+#   8. ep-bench   bench/ep on CUDA tensors, 2 ranks, the small workload (every result checked by the
 #                 harness's oracle; results in $OUT/ep/)
-#   8. driver     tests/run_driver_cuda.sh (the C++ driver's CUDA checks), when the file exists
-#   9. cpu-p2p    python/tests/test_p2p.py, a CPU sanity check of the same build
+#   9. driver     tests/run_driver_cuda.sh (the C++ driver's CUDA checks), when the file exists
+#  10. cpu-p2p    python/tests/test_p2p.py, a CPU sanity check of the same build
 #
 # and ends with a summary: every step ok / FAILED / skipped with its time, and the two target
 # ratios (p2p 256 MiB >= 0.7 x D2D copy; allreduce 64 MiB gloo/ucx >= 5). Exit status 1 when a
@@ -25,7 +29,7 @@
 #
 # Outputs under ${OUT:-results/gpu}: logs/<step>.log, nvidia-smi.txt, cuda_bench/ (results.json,
 # table.md), summary.md. Each step runs under `timeout`, bounded by its own cap and by what is
-# left of the whole budget (GPU_CHECK_BUDGET_S, default 450 s); a step that no longer fits is
+# left of the whole budget (GPU_CHECK_BUDGET_S, default 520 s); a step that no longer fits is
 # skipped, so the summary always comes.
 #
 # Preflight, on a machine without a GPU, against the GPU machine's torch (2.11): CI runs
@@ -36,7 +40,7 @@
 #
 # On the device machine (see docs/gpu.md): first, where pip reaches PyPI,
 # `scripts/fetch_gpu_wheels.sh` (fills .whl/), then the device tool's run with
-# command `bash scripts/gpu_check.sh`, carry [".whl"], timeout_s 540.
+# command `bash scripts/gpu_check.sh`, carry [".whl"], timeout_s 580.
 #
 # Why no virtual environment: the GPU image's python3 is itself a venv (/opt/torch/.venv), and a
 # venv made from a venv with --system-site-packages sees the base interpreter's packages, not
@@ -47,7 +51,7 @@
 # Settings (environment):
 #   GPU_CHECK_PYTHON    the Python with torch (default python3)
 #   GPU_CHECK_DIR       work directory: site/ (emptied first) and build/ (default /tmp/cx)
-#   GPU_CHECK_BUDGET_S  the whole run's budget in seconds (default 450; 1800 with --cpu-smoke)
+#   GPU_CHECK_BUDGET_S  the whole run's budget in seconds (default 520; 1800 with --cpu-smoke)
 #   GPU_CHECK_BENCH_ARGS  extra arguments for bench/cuda_bench.py (e.g. "--quick")
 #   GPU_CHECK_STEPS     only these steps (comma-separated, e.g. "ep-tests,ep-bench" to rerun what
 #                       failed); env and install always run, the others are recorded as skipped
@@ -85,7 +89,7 @@ case "$WORK" in
      exit 2 ;;
 esac
 SITE=$WORK/site
-if [ $mode = cpu ]; then budget=${GPU_CHECK_BUDGET_S:-1800}; else budget=${GPU_CHECK_BUDGET_S:-450}; fi
+if [ $mode = cpu ]; then budget=${GPU_CHECK_BUDGET_S:-1800}; else budget=${GPU_CHECK_BUDGET_S:-520}; fi
 NPROC=$(nproc 2>/dev/null || echo 4)
 export PY REPO OUT WORK SITE mode NPROC
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -296,6 +300,15 @@ step_ep_bench() {
     --out "$OUT/ep"
 }
 
+step_latency() {
+  set -euo pipefail
+  cd "$REPO"
+  local dev=cuda:0
+  [ "$mode" = cpu ] && dev=cpu
+  "$PY" bench/experiments/device_latency.py --device "$dev" --sizes 8,64K,1M --reps 10 \
+    --budget $(( STEP_LIMIT - 10 )) --out "$OUT/latency"
+}
+
 step_driver() {
   set -euo pipefail
   cd "$REPO"
@@ -316,14 +329,14 @@ step_cpu_p2p() {
 }
 
 export -f step_env step_install step_info step_cuda_tests step_bench step_ep_tests step_ep_bench step_driver \
-  step_cpu_p2p
+  step_cpu_p2p step_latency
 
 echo "gpu_check: mode $mode, python $PY, outputs in $OUT, budget ${budget} s"
 step env 60 1 step_env
 step install 300 0 step_install
-gpu_steps=(cuda-tests bench ep-tests ep-bench driver)
+gpu_steps=(cuda-tests bench ep-tests latency ep-bench driver)
 if [ "$(state_of install)" != ok ]; then
-  for s in info cuda-tests bench ep-tests ep-bench driver cpu-p2p; do record "$s" skipped 0 "install did not succeed"; done
+  for s in info cuda-tests bench ep-tests latency ep-bench driver cpu-p2p; do record "$s" skipped 0 "install did not succeed"; done
 else
   step info 60 1 step_info
   if [ $mode = gpu ] && [ "$(state_of env)" != ok ]; then
@@ -332,6 +345,7 @@ else
     step cuda-tests 240 1 step_cuda_tests
     step ep-tests 120 1 step_ep_tests
     step bench 240 1 step_bench
+    step latency 110 1 step_latency
     step ep-bench 120 1 step_ep_bench
     step driver 150 0 step_driver
   fi

@@ -4,14 +4,18 @@ of a blocking send/recv of the same bytes, the all_reduce's time, the time its a
 return, and a host-tensor all_reduce of the same size, all on "ucx" in one launch.
 
     python bench/experiments/cuda_latency.py [--sizes 64K,1M,16M,64M] [--reps 20] [--device cuda:0]
+                                             [--json PATH]
 
 Each figure is the median over --reps repetitions of rank 0's time (after a barrier and a
-torch.cuda.synchronize(); each operation ends with one). float32 inputs are integers, so sums
+torch.cuda.synchronize(); each operation ends with one); the p2p one is per one-way transfer of
+--round-trips round trips. float32 inputs are integers, so sums
 are exact, and every result is checked. Environment variables (COMMUX_ALGO_ALLREDUCE, UCX_*)
 pass to the ranks, so one launch per setting compares settings. With --device cpu it runs on
-host tensors (a dry run of the script on a machine without a GPU).
+host tensors (a dry run of the script on a machine without a GPU). --json writes rank 0's
+figures ({"us": {size: {...}}, "wrong": N}) for other scripts (device_latency.py).
 """
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -44,19 +48,21 @@ def run_rank(job):
         host = torch.zeros(n)
         t = {"p2p": [], "allreduce": [], "issue": [], "host allreduce": []}
         for rep in range(job["reps"] + 2):  # two warm-up repetitions
-            # p2p: a round trip of `size` bytes, halved.
+            # p2p: --round-trips round trips of `size` bytes, per one-way transfer (so that
+            # the ranks' skew after the barrier is spread over them).
             buf.fill_(float(rep))
             sync()
             dist.barrier()
             t0 = time.perf_counter()
-            if me == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif me == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            for _ in range(job["round_trips"]):
+                if me == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                elif me == 1:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
             sync()
-            dt_p2p = (time.perf_counter() - t0) / 2
+            dt_p2p = (time.perf_counter() - t0) / (2 * job["round_trips"])
             wrong += int((buf != float(rep)).sum()) if me < 2 else 0
             # all_reduce, blocking
             buf.fill_(float(me + rep))
@@ -100,9 +106,15 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--json", help="write rank 0's figures and the wrong count here")
+    p.add_argument("--round-trips", type=int, default=10,
+                   help="send/recv round trips per repetition of the p2p figure (docs/gpu.md's "
+                        "first H200 figures used 1, which counted the ranks' skew after the "
+                        "barrier)")
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
-    job = {"sizes": sizes, "reps": a.reps, "device": a.device, "env": {}}
+    job = {"sizes": sizes, "reps": a.reps, "device": a.device, "env": {},
+           "round_trips": max(1, a.round_trips)}
     results, errors = launch_ranks(2, run_rank, job, a.timeout, "cuda latency")
     for e in errors:
         print(f"cuda_latency: {e}", file=sys.stderr)
@@ -118,6 +130,8 @@ def main():
               f"{row['host allreduce']:.1f} |")
     wrong = sum(r["wrong"] for r in results.values())
     print(f"#wrong: {wrong}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"us": r0, "wrong": wrong}))
     return 1 if wrong else 0
 
 
