@@ -293,6 +293,61 @@ def test_exit_right_after_future_callbacks_does_not_abort():
         assert_all_exited(closed)
 
 
+def _shutdown_beside_a_callback_that_never_returns(ctx):
+    """Rank 0's async all_reduce has a future callback (user code) that blocks until after
+    destroy_process_group(): it holds a commux thread inside the group. Rank 1 joins the
+    all_reduce late, so the callback is registered before the collective completes and runs on a
+    commux thread, not in .then() itself."""
+    import tempfile
+    x = torch.ones(100)
+    if ctx.rank != 0:
+        time.sleep(1.0)
+        dist.all_reduce(x)
+        return mp.ExitAfterReply((0.0, ""), mode="destroy")
+    started, release = threading.Event(), threading.Event()
+
+    def blocks(f):
+        started.set()
+        release.wait(90)
+        return f.value()
+
+    chained = dist.all_reduce(x, async_op=True).get_future().then(blocks)
+    assert started.wait(30), "the future callback did not start"
+    fd, path = tempfile.mkstemp()
+    saved = os.dup(2)
+    os.dup2(fd, 2)  # what commux says on stderr meanwhile
+    t0 = time.monotonic()
+    try:
+        dist.destroy_process_group()
+    finally:
+        took = time.monotonic() - t0
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+    with open(path) as f:
+        said = f.read()
+    os.unlink(path)
+    release.set()  # the callback returns now, into the group's state that shutdown left in place
+    chained.wait()
+    return mp.ExitAfterReply((took, said), mode="natural")
+
+
+@pytest.mark.ucx_semantics  # commux's bounded shutdown
+def test_shutdown_does_not_wait_for_ever_for_a_blocked_future_callback():
+    """destroy_process_group() returns after the shutdown timeout plus a 5 s grace, and says on
+    stderr which threads are still inside the group. Before, it waited for the callback for good
+    (here: the 90 s the callback waits)."""
+    outs, closed = mp.run_once(_shutdown_beside_a_callback_that_never_returns, 2, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120, close_timeout=30,
+                               env={"COMMUX_SHUTDOWN_TIMEOUT_MS": "500"})
+    assert all(o.ok for o in outs), _describe(outs)
+    took, said = outs[0].value
+    assert took < 20, f"destroy_process_group took {took:.1f} s; stderr: {said}"
+    assert "commux shutdown" in said and "left in place" in said, said
+    assert "running future callbacks: 1" in said, said
+    assert_all_exited(closed)
+
+
 # ---------------------------------------------------------------------------------------------
 # (d) invalid input
 

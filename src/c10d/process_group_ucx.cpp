@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -202,7 +203,11 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
       impl_(std::make_unique<Impl>(store, rank, size, timeout, std::move(name),
                                    std::move(group_name))) {}
 
-ProcessGroupUCX::~ProcessGroupUCX() { impl_->shutdown(); }
+ProcessGroupUCX::~ProcessGroupUCX() {
+  // A thread still inside the group (a future callback that never returns) would use it after
+  // free: leave the group's state in place instead (shutdown() said so on stderr).
+  if (!impl_->shutdown()) static_cast<void>(impl_.release());
+}
 
 const std::string ProcessGroupUCX::getBackendName() const { return impl_->name_; }
 std::chrono::milliseconds ProcessGroupUCX::timeout() const { return impl_->timeout_; }
@@ -226,7 +231,7 @@ std::uint64_t ProcessGroupUCX::scheduled_calls() const {
   return impl_->scheduled_calls_.load(std::memory_order_relaxed);
 }
 
-void ProcessGroupUCX::Impl::shutdown() {
+bool ProcessGroupUCX::Impl::shutdown() {
   std::deque<std::shared_ptr<Task>> left;
   bool submit = false;
   // The progress thread stops resuming schedules (this returns once its call has ended); the
@@ -235,7 +240,7 @@ void ProcessGroupUCX::Impl::shutdown() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     progress_resumes_ = false;
-    if (shut_down_) return;
+    if (shut_down_) return servers_ == 0 && waiters_in_ == 0;
     shut_down_ = true;
     stopping_ = true;
     left.swap(queue_);
@@ -248,9 +253,28 @@ void ProcessGroupUCX::Impl::shutdown() {
   // Closing the communicator cancels whatever is posted (bounded by the shutdown timeout), so a
   // collective a pool thread is running fails promptly instead of waiting for its deadline.
   if (comm_) comm_->shutdown();
+  bool drained = true;
   {
+    // Bounded: a future callback (user code) that never returns, or a shutdown called from one,
+    // would otherwise hang it for good.
+    const auto limit = (comm_ ? comm_->options().shutdown_timeout : std::chrono::milliseconds(0)) +
+                       std::chrono::milliseconds(kDrainGrace);
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return servers_ == 0 && waiters_in_ == 0; });
+    drained = cv_.wait_for(lk, limit, [&] { return servers_ == 0 && waiters_in_ == 0; });
+    if (!drained) {
+      std::string what;
+      for (const Task* r : running_) what += std::string(what.empty() ? "" : ", ") + r->op_name;
+      std::fprintf(
+          stderr,
+          "commux shutdown: the process group (%s) still had %d collective thread(s) and %d "
+          "waiting caller(s) inside it %lld ms after it was shut down (running: %s; running "
+          "future callbacks: %d). Its state is left in place (not freed) so that they can "
+          "finish safely; a future callback that never returns, or a shutdown called from "
+          "one, does this.\n",
+          where().c_str(), servers_, waiters_in_, static_cast<long long>(limit.count()),
+          what.empty() ? "no collective" : what.c_str(), settling_);
+      std::fflush(stderr);
+    }
   }
   if (gate_) {
     std::lock_guard<std::mutex> lk(gate_->mu);
@@ -262,6 +286,7 @@ void ProcessGroupUCX::Impl::shutdown() {
         Error(Errc::kCanceled, std::string("commux ") + t->op_name + ": the process group (" +
                                    where() + ") was shut down before the operation ran")));
   }
+  return drained;
 }
 
 uint64_t ProcessGroupUCX::Impl::getSequenceNumberForGroup() {
@@ -490,8 +515,13 @@ void ProcessGroupUCX::Impl::settle_covered(const std::shared_ptr<Task>& t,
     another = needs_server_locked();
   }
   if (another) c10d_detail::CollectivePool::instance().submit(this);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++settling_;
+  }
   t->settle(*f);
   std::lock_guard<std::mutex> lk(mu_);
+  --settling_;
   --servers_running_;
 }
 
@@ -1329,7 +1359,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
 
 // --- the c10d::Backend entry points: forwarded to the Impl -------------------------------------
 
-void ProcessGroupUCX::shutdown() { impl_->shutdown(); }
+void ProcessGroupUCX::shutdown() { static_cast<void>(impl_->shutdown()); }
 uint64_t ProcessGroupUCX::getSequenceNumberForGroup() { return impl_->getSequenceNumberForGroup(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                      int tag) {

@@ -53,6 +53,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // How long a pool thread serving a group leaves its schedules to the group's waiters after
   // the last one left, before it resumes them itself.
   static constexpr std::chrono::microseconds kServerGrace{200};
+  // How long shutdown() waits, beyond the communicator's shutdown timeout, for the group's threads
+  // to leave it (a collective whose requests were cancelled, a future's callbacks).
+  static constexpr std::chrono::seconds kDrainGrace{5};
 
   Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
        std::chrono::milliseconds timeout, std::string name, std::string group_name);
@@ -63,7 +66,10 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   int getSize() const { return size_; }
 
   // The entry points of ProcessGroupUCX (see commux/process_group_ucx.hpp).
-  void shutdown();
+  // Waits for the group's threads to leave it, for at most the communicator's shutdown timeout
+  // plus kDrainGrace. False when one still had not (it says so on stderr): the Impl must then
+  // outlive them, and the backend's destructor leaves it in place.
+  bool shutdown();
   uint64_t getSequenceNumberForGroup();
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag);
@@ -231,6 +237,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::chrono::microseconds spin_{0};       // COMMUX_SPIN_US: hand-off polling before letting go
   int servers_ = 0;          // [mu_] pool threads submitted for the group, until serve() lets go
   int servers_running_ = 0;  // [mu_] those of them running a task now
+  int settling_ = 0;         // [mu_] threads running a future's callbacks now (settle_covered)
   std::vector<const c10d_detail::Task*> running_;  // [mu_] taken, not yet run (pool or waiter)
   int inflight_ = 2;                               // COMMUX_INFLIGHT
   // Schedules: CPU collectives started as coll::Schedules (they hold no thread while they wait),
