@@ -22,6 +22,9 @@
 #                 harness's oracle; results in $OUT/ep/)
 #   9. driver     tests/run_driver_cuda.sh (the C++ driver's CUDA checks), when the file exists
 #  10. cpu-p2p    python/tests/test_p2p.py, a CPU sanity check of the same build
+#  11. cpu-async  host tensors on a machine with spare cores: 8 async all_reduces against 8
+#                 blocking ones, and schedules against the pool thread (bench/experiments/
+#                 async_overlap.py and schedule_ab.py; every result checked)
 #
 # and ends with a summary: every step ok / FAILED / skipped with its time, and the two target
 # ratios (p2p 256 MiB >= 0.7 x D2D copy; allreduce 64 MiB gloo/ucx >= 5). Exit status 1 when a
@@ -328,15 +331,28 @@ step_cpu_p2p() {
   UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} "$PY" -m pytest -x -q ${to[@]+"${to[@]}"} python/tests/test_p2p.py
 }
 
+step_cpu_async() {
+  set -euo pipefail
+  cd "$REPO"
+  export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  local k
+  for k in 64 1024; do
+    "$PY" bench/experiments/async_overlap.py --inflight auto --schedule on,off --rounds 40 --kib "$k"
+  done
+  for k in 64 256; do
+    "$PY" bench/experiments/schedule_ab.py --kib "$k" --rounds 30
+  done
+}
+
 export -f step_env step_install step_info step_cuda_tests step_bench step_ep_tests step_ep_bench step_driver \
-  step_cpu_p2p step_latency
+  step_cpu_p2p step_latency step_cpu_async
 
 echo "gpu_check: mode $mode, python $PY, outputs in $OUT, budget ${budget} s"
 step env 60 1 step_env
 step install 300 0 step_install
 gpu_steps=(cuda-tests bench ep-tests latency ep-bench driver)
 if [ "$(state_of install)" != ok ]; then
-  for s in info cuda-tests bench ep-tests latency ep-bench driver cpu-p2p; do record "$s" skipped 0 "install did not succeed"; done
+  for s in info cuda-tests bench ep-tests latency ep-bench driver cpu-p2p cpu-async; do record "$s" skipped 0 "install did not succeed"; done
 else
   step info 60 1 step_info
   if [ $mode = gpu ] && [ "$(state_of env)" != ok ]; then
@@ -350,6 +366,7 @@ else
     step driver 150 0 step_driver
   fi
   step cpu-p2p 120 1 step_cpu_p2p
+  step cpu-async 90 1 step_cpu_async
 fi
 
 # --------------------------------------------------------------------------------------------
