@@ -11,6 +11,7 @@
 
 #include "commux/communicator.hpp"
 #include "commux/transports.hpp"
+#include "backoff.hpp"
 #include "log.hpp"
 #include "harness.hpp"
 
@@ -536,4 +537,31 @@ TEST(Log, LinesCarryHostPidRankAndLevelAndRespectTheLevel) {
   EXPECT_EQ(g_evaluated, 0);
   EXPECT_FALSE(log::enabled(log::Level::kWarn));
   std::remove(real.c_str());
+}
+
+// A poll that backs off must notice what it waits for soon after it happens: each nap is at most
+// about a quarter of the time already waited (plus the first nap), never more than the cap, and
+// a long wait settles at the cap. (The fences' earlier doubling naps were up to the whole time
+// waited: a device stream that finished just after a poll was seen up to 1 ms late.)
+TEST(PollBackoff, NapsStayAQuarterOfTheWaitAndSettleAtTheCap) {
+  using std::chrono::microseconds;
+  for (const auto& [first, cap] : {std::pair{microseconds(20), commux::detail::kEventPollCap},
+                                   std::pair{microseconds(5), microseconds(2000)},
+                                   std::pair{microseconds(1), microseconds(1)}}) {
+    commux::detail::PollBackoff b(first, cap);
+    microseconds waited{0}, last{0};
+    for (int k = 0; k < 200; ++k) {
+      const microseconds nap = b.next();
+      SCOPED_TRACE("nap " + std::to_string(k) + " of " + std::to_string(nap.count()) +
+                   " us after " + std::to_string(waited.count()) + " us");
+      EXPECT_GE(nap, last);
+      EXPECT_LE(nap, cap);
+      EXPECT_LE(nap.count(), first.count() + (waited.count() + 3) / 3);
+      waited += nap;
+      last = nap;
+    }
+    EXPECT_EQ(last, cap);
+    b.reset();
+    EXPECT_EQ(b.next(), first);
+  }
 }

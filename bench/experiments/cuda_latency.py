@@ -8,11 +8,14 @@ return, and a host-tensor all_reduce of the same size, all on "ucx" in one launc
 
 Each figure is the median over --reps repetitions of rank 0's time (after a barrier and a
 torch.cuda.synchronize(); each operation ends with one); the p2p one is per one-way transfer of
---round-trips round trips. float32 inputs are integers, so sums
-are exact, and every result is checked. Environment variables (COMMUX_ALGO_ALLREDUCE, UCX_*)
-pass to the ranks, so one launch per setting compares settings. With --device cpu it runs on
-host tensors (a dry run of the script on a machine without a GPU). --json writes rank 0's
-figures ({"us": {size: {...}}, "wrong": N}) for other scripts (device_latency.py).
+--round-trips round trips. On a GPU one more all_reduce is issued right behind --busy-ms of
+kernel work (torch.cuda._sleep) on the stream: its time beyond the kernel's, against the plain
+all_reduce's, is how late commux sees the stream's work end (the fence before it posts).
+float32 inputs are integers, so sums are exact, and every result is checked. Environment
+variables (COMMUX_ALGO_ALLREDUCE, UCX_*) pass to the ranks, so one launch per setting compares
+settings. With --device cpu it runs on host tensors (a dry run of the script on a machine
+without a GPU). --json writes rank 0's figures ({"us": {size: {...}}, "wrong": N}) for other
+scripts (device_latency.py).
 """
 import argparse
 import json
@@ -42,11 +45,19 @@ def run_rank(job):
             torch.cuda.synchronize(dev)
 
     out, wrong = {}, 0
+    if dev.type == "cuda":  # how many cycles torch.cuda._sleep needs for --busy-ms
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        e0.record()
+        torch.cuda._sleep(1_000_000)
+        e1.record()
+        sync()
+        job["busy_cycles"] = int(1_000_000 * job["busy_ms"] / max(e0.elapsed_time(e1), 1e-3))
     for size in job["sizes"]:
         n = size // 4
         buf = torch.zeros(n, device=dev)
         host = torch.zeros(n)
-        t = {"p2p": [], "allreduce": [], "issue": [], "host allreduce": []}
+        t = {"p2p": [], "allreduce": [], "issue": [], "host allreduce": [], "busy": []}
         for rep in range(job["reps"] + 2):  # two warm-up repetitions
             # p2p: --round-trips round trips of `size` bytes, per one-way transfer (so that
             # the ranks' skew after the barrier is spread over them).
@@ -83,6 +94,24 @@ def run_rank(job):
             w.wait()
             sync()
             wrong += int((buf != float(sum(r + rep + 1 for r in range(world)))).sum())
+            # all_reduce issued behind --busy-ms of kernel work on the stream: the time beyond the
+            # kernel's is the plain all_reduce's plus how late commux sees the stream finish.
+            if dev.type == "cuda":
+                buf.fill_(float(me + rep))
+                sync()
+                dist.barrier()
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                e0.record()
+                torch.cuda._sleep(job["busy_cycles"])
+                e1.record()
+                dist.all_reduce(buf)
+                sync()
+                t["busy"].append(time.perf_counter() - t0 - e0.elapsed_time(e1) / 1e3)
+                wrong += int((buf != float(sum(r + rep for r in range(world)))).sum())
+                if rep < 2:
+                    t["busy"].pop()
             # host tensors, for contrast
             host.fill_(float(me + rep))
             dist.barrier()
@@ -95,7 +124,7 @@ def run_rank(job):
                 t["allreduce"].append(dt_ar)
                 t["issue"].append(dt_issue)
                 t["host allreduce"].append(dt_host)
-        out[size] = {k: statistics.median(v) * 1e6 for k, v in t.items()}
+        out[size] = {k: statistics.median(v) * 1e6 for k, v in t.items() if v}
     dist.destroy_process_group()
     return {"us": out, "wrong": wrong}
 
@@ -107,6 +136,8 @@ def main():
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--json", help="write rank 0's figures and the wrong count here")
+    p.add_argument("--busy-ms", type=float, default=2.0,
+                   help="kernel time queued before the 'behind a kernel' all_reduce (CUDA only)")
     p.add_argument("--round-trips", type=int, default=10,
                    help="send/recv round trips per repetition of the p2p figure (docs/gpu.md's "
                         "first H200 figures used 1, which counted the ranks' skew after the "
@@ -114,7 +145,7 @@ def main():
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     job = {"sizes": sizes, "reps": a.reps, "device": a.device, "env": {},
-           "round_trips": max(1, a.round_trips)}
+           "round_trips": max(1, a.round_trips), "busy_ms": a.busy_ms}
     results, errors = launch_ranks(2, run_rank, job, a.timeout, "cuda latency")
     for e in errors:
         print(f"cuda_latency: {e}", file=sys.stderr)
@@ -122,11 +153,13 @@ def main():
         return 1
     r0 = results[0]["us"]
     print(f"2 ranks on {a.device}, median of {a.reps} repetitions on rank 0, µs")
-    print("| size | p2p one-way | all_reduce | async call returns in | host all_reduce |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| size | p2p one-way | all_reduce | async call returns in | all_reduce behind a "
+          f"{a.busy_ms:g} ms kernel, beyond the kernel | host all_reduce |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for s in sizes:
         row = r0[s] if s in r0 else r0[str(s)]
-        print(f"| {s} | {row['p2p']:.1f} | {row['allreduce']:.1f} | {row['issue']:.1f} | "
+        busy = f"{row['busy']:.1f}" if "busy" in row else "-"
+        print(f"| {s} | {row['p2p']:.1f} | {row['allreduce']:.1f} | {row['issue']:.1f} | {busy} | "
               f"{row['host allreduce']:.1f} |")
     wrong = sum(r["wrong"] for r in results.values())
     print(f"#wrong: {wrong}")

@@ -10,7 +10,8 @@ Three parts, each a figure per size:
    (median), between two processes on this machine, for host memory and, on a GPU, for device
    memory (`-m cuda`, both processes on device 0);
 2. commux through torch: bench/experiments/cuda_latency.py (2 ranks on --device), p2p one-way,
-   blocking all_reduce and a host all_reduce, with UCX_PROTO_INFO=y so that UCX prints which
+   blocking all_reduce (also behind 2 ms of kernel work: how late the fence sees the stream end)
+   and a host all_reduce, with UCX_PROTO_INFO=y so that UCX prints which
    protocol it chose for each memory type and size range (kept in DIR/protocols.txt, its device
    memory tables printed);
 3. the same with COMMUX_SPIN_US=20000: every commux wait polls instead of sleeping, so the gap
@@ -169,8 +170,8 @@ def main():
              f"median of {a.reps} on rank 0; spin: COMMUX_SPIN_US=20000",
              "", "| size | UCX host | " + ("UCX cuda | " if gpu else "") + "commux p2p | "
              "commux p2p, spin | commux p2p / UCX | all_reduce | all_reduce, spin | "
-             "host all_reduce |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else "")]
+             "all_reduce behind a 2 ms kernel, beyond it | host all_reduce |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else "")]
     for s in sizes:
         d, sp = row_of("default", s) or {}, row_of("spin", s) or {}
         u = raw.get((mem, s))
@@ -178,7 +179,8 @@ def main():
         dev = f"{fig(u)} | " if gpu else ""
         lines.append(f"| {s} | {fig(raw.get(('host', s)))} | {dev}{fig(d.get('p2p'))} | "
                      f"{fig(sp.get('p2p'))} | {ratio} | {fig(d.get('allreduce'))} | "
-                     f"{fig(sp.get('allreduce'))} | {fig(d.get('host allreduce'))} |")
+                     f"{fig(sp.get('allreduce'))} | {fig(d.get('busy'))} | "
+                     f"{fig(d.get('host allreduce'))} |")
     wrong = sum(r.get("wrong", 0) for r in runs.values())
     lines += ["", f"#wrong: {wrong}"] + [f"error: {e}" for e in errors]
     text = "\n".join(lines)

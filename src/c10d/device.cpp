@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "commux/error.hpp"
+#include "../core/backoff.hpp"
 #include "errors.hpp"
 #include "types.hpp"
 
@@ -176,10 +177,12 @@ StreamFence::StreamFence(const std::vector<at::Tensor>& tensors) {
 void StreamFence::wait(std::chrono::steady_clock::time_point deadline, const char* op) const {
   using Clock = std::chrono::steady_clock;
   for (std::size_t i = 0; i < events_.size(); ++i) {
-    // Poll the event: yield for the first 100 us (a kernel about to finish), then sleep with a
-    // backoff up to 1 ms, so that the wait honours the deadline (Event::synchronize has none).
+    // Poll the event: yield for the first 100 us (a kernel about to finish), then sleep in naps
+    // that grow by a quarter up to kEventPollCap (core/backoff.hpp: the stream's end is seen at
+    // most about a quarter of the wait late, and never more than the cap), so that the wait
+    // honours the deadline (Event::synchronize has none).
     const auto spin_until = Clock::now() + std::chrono::microseconds(100);
-    auto nap = std::chrono::microseconds(20);
+    detail::PollBackoff nap(std::chrono::microseconds(20), detail::kEventPollCap);
     while (!events_[i].query()) {
       const auto now = Clock::now();
       if (now >= deadline) {
@@ -192,8 +195,7 @@ void StreamFence::wait(std::chrono::steady_clock::time_point deadline, const cha
       if (now < spin_until) {
         std::this_thread::yield();
       } else {
-        std::this_thread::sleep_for(nap);
-        nap = std::min(nap * 2, std::chrono::microseconds(1000));
+        std::this_thread::sleep_for(nap.next());
       }
     }
   }

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "backoff.hpp"
 #include "commux/settings.hpp"
 #include "engine.hpp"
 
@@ -115,15 +116,14 @@ Request Channel::post_after(std::shared_ptr<Gate> gate, Direction dir, const cha
                             std::uint32_t tag, bool fast_completion) {
   if (gate) {
     const auto deadline = std::chrono::steady_clock::now() + options().timeout;
-    auto nap = std::chrono::microseconds(20);
+    PollBackoff nap(std::chrono::microseconds(20), kEventPollCap);
     while (!gate->open()) {
       if (std::chrono::steady_clock::now() >= deadline) {
         throw Error(Errc::kTimeout, ErrorSite{name, peer, tag, {}, std::to_string(options().group)},
                     "waited " + std::to_string(options().timeout.count()) + " ms for " +
                         gate->describe() + "; nothing was posted");
       }
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+      std::this_thread::sleep_for(nap.next());
     }
   }
   return post(dir, name, buffers, count, peer, kind, tag, fast_completion);

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "backoff.hpp"
 #include "channel.hpp"
 #include "commux/communicator.hpp"
 #include "op.hpp"
@@ -163,7 +164,7 @@ class Worker {
   static constexpr std::size_t kBackgroundBytes = 4096;
   std::atomic<int> inflight_large_{0};
   std::atomic<int> held_{0};
-  static constexpr std::chrono::microseconds kHeldPoll{1000};
+  static constexpr std::chrono::microseconds kHeldPoll = kEventPollCap;
   std::atomic<int> spinners_{0};     // threads spinning in wait(): the progress thread stays off
   std::atomic<int> sleepers_{0};     // threads sleeping in wait(): completions notify done_cv_
   std::atomic<bool> parked_{false};  // the progress thread is staying off for a spinner
