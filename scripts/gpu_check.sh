@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh [--cpu-smoke]: the GPU check of commux ("CUDA tensors end to end"), for a
 # machine with one NVIDIA GPU, torch installed and no registry access. Run from anywhere; it works
-# in the repository root. In under 8 minutes on 16 cores it:
+# in the repository root. In under 9 minutes on 16 cores it:
 #
 #   1. env        prints the machine, python, torch/CUDA and nvidia-smi
 #   2. install    installs the carried UCX wheel(s) from .whl/ and builds commux against the
