@@ -56,6 +56,8 @@
 #   GPU_CHECK_DIR       work directory: site/ (emptied first) and build/ (default /tmp/cx)
 #   GPU_CHECK_BUDGET_S  the whole run's budget in seconds (default 520; 1800 with --cpu-smoke)
 #   GPU_CHECK_BENCH_ARGS  extra arguments for bench/cuda_bench.py (e.g. "--quick")
+#   GPU_CHECK_LATENCY_ARGS  extra arguments for the latency step's device_latency.py (e.g.
+#                       "--variant noipc:UCX_TLS=^cuda_ipc": one more commux run with those settings)
 #   GPU_CHECK_STEPS     only these steps (comma-separated, e.g. "ep-tests,ep-bench" to rerun what
 #                       failed); env and install always run, the others are recorded as skipped
 #   OUT                 where outputs go (default results/gpu)
@@ -308,8 +310,9 @@ step_latency() {
   cd "$REPO"
   local dev=cuda:0
   [ "$mode" = cpu ] && dev=cpu
+  # shellcheck disable=SC2086  # GPU_CHECK_LATENCY_ARGS is a list of words on purpose
   "$PY" bench/experiments/device_latency.py --device "$dev" --sizes 8,64K,1M --reps 10 \
-    --budget $(( STEP_LIMIT - 10 )) --out "$OUT/latency"
+    --budget $(( STEP_LIMIT - 10 )) --out "$OUT/latency" ${GPU_CHECK_LATENCY_ARGS:-}
 }
 
 step_driver() {

@@ -16,7 +16,9 @@ Three parts, each a figure per size:
    memory tables printed);
 3. the same with COMMUX_SPIN_US=20000: every commux wait polls instead of sleeping, so the gap
    between 2 and 3 is what sleeping and waking costs, and what remains against 1 is commux's path
-   or the protocol UCX picked for it.
+   or the protocol UCX picked for it;
+4. with --variant NAME:VAR=VALUE,..., one more commux run per variant (a UCX or commux setting to
+   try, e.g. noipc:UCX_TLS=^cuda_ipc), in a table of its own.
 
 Every commux result is checked (cuda_latency.py counts wrong elements). With --device cpu it runs
 on host memory only (a dry run on a machine without a GPU). Writes DIR/device_latency.md (the table)
@@ -108,6 +110,9 @@ def main():
     p.add_argument("--iters", type=int, default=2000, help="ucx_perftest iterations per size")
     p.add_argument("--out", default="results/device_latency")
     p.add_argument("--budget", type=float, default=150, help="seconds for the whole run")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                   help="one more commux run with these environment variables (repeatable), e.g. "
+                        "noipc:UCX_TLS=^cuda_ipc; its p2p and all_reduce get a table of their own")
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     out = Path(a.out)
@@ -137,7 +142,22 @@ def main():
                 errors.append(f"ucx_perftest {mem} {s} B: {err}")
     # 2 and 3. commux, sleeping allowed, then every wait polling
     runs = {}
-    for name, extra in (("default", {"UCX_PROTO_INFO": "y"}), ("spin", {"COMMUX_SPIN_US": "20000"})):
+    plan = [("default", {"UCX_PROTO_INFO": "y"}), ("spin", {"COMMUX_SPIN_US": "20000"})]
+    for v in a.variant:
+        name, _, assigns = v.partition(":")
+        pairs = []  # a piece without "=" continues the value before it (UCX_TLS=tcp,self)
+        for piece in assigns.split(","):
+            if "=" in piece:
+                pairs.append(piece.split("=", 1))
+            elif pairs:
+                pairs[-1][1] += "," + piece
+            else:
+                pairs = None
+                break
+        if not name or not pairs or name in ("default", "spin"):
+            p.error(f"--variant {v!r}: expected NAME:VAR=VALUE[,VAR=VALUE]")
+        plan.append((name, dict(pairs)))
+    for name, extra in plan:
         limit = min(90.0, left() - 5)
         if limit < 30:
             errors.append(f"commux ({name}): skipped, the budget is spent")
@@ -181,6 +201,17 @@ def main():
                      f"{fig(sp.get('p2p'))} | {ratio} | {fig(d.get('allreduce'))} | "
                      f"{fig(sp.get('allreduce'))} | {fig(d.get('busy'))} | "
                      f"{fig(d.get('host allreduce'))} |")
+    variants = [name for name, _ in plan[2:]]
+    if variants:
+        lines += ["", "| size | " + " | ".join(f"p2p, {v} | all_reduce, {v}" for v in variants) + " |",
+                  "|---:|" + "---:|---:|" * len(variants)]
+        for s in sizes:
+            cells = []
+            for v in variants:
+                r = row_of(v, s) or {}
+                cells += [fig(r.get("p2p")), fig(r.get("allreduce"))]
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines += [f"{name}: " + " ".join(f"{k}={v}" for k, v in extra.items()) for name, extra in plan[2:]]
     wrong = sum(r.get("wrong", 0) for r in runs.values())
     lines += ["", f"#wrong: {wrong}"] + [f"error: {e}" for e in errors]
     text = "\n".join(lines)
