@@ -1,5 +1,5 @@
-// Polling for something that raises no event (a device stream's event, a post's gate, the
-// worker while nothing happens): naps that grow by a quarter (and a microsecond) each, up to a cap.
+// Polling for something that raises no event (a device stream's event, a post's gate): naps that
+// grow by a quarter (and a microsecond) each, up to a cap, as the progress thread's own idle polls.
 // The naps before the k-th add up to about four times it, so whatever the poll waits for is
 // noticed late by at most about a quarter of the time waited so far, and never by more than the
 // cap; a long wait settles at one poll per cap. (Doubling naps let a 1 ms cap be missed by up to
@@ -28,7 +28,6 @@ class PollBackoff {
   }
   // Something happened: the next nap is the first again.
   void reset() noexcept { nap_ = first_; }
-  std::chrono::microseconds cap() const noexcept { return cap_; }
 
  private:
   std::chrono::microseconds first_;
