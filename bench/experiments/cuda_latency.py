@@ -9,7 +9,7 @@ return, and a host-tensor all_reduce of the same size, all on "ucx" in one launc
 Each figure is the median over --reps repetitions of rank 0's time (after a barrier and a
 torch.cuda.synchronize(); each operation ends with one); the p2p one is per one-way transfer of
 --round-trips round trips. On a GPU one more all_reduce is issued right behind --busy-ms of
-kernel work (torch.cuda._sleep) on the stream: its time beyond the kernel's, against the plain
+kernel work (torch.cuda._sleep) on rank 0's stream: its time beyond the kernel's, against the plain
 all_reduce's, is how late commux sees the stream's work end (the fence before it posts).
 float32 inputs are integers, so sums are exact, and every result is checked. Environment
 variables (COMMUX_ALGO_ALLREDUCE, UCX_*) pass to the ranks, so one launch per setting compares
@@ -94,8 +94,9 @@ def run_rank(job):
             w.wait()
             sync()
             wrong += int((buf != float(sum(r + rep + 1 for r in range(world)))).sum())
-            # all_reduce issued behind --busy-ms of kernel work on the stream: the time beyond the
-            # kernel's is the plain all_reduce's plus how late commux sees the stream finish.
+            # all_reduce issued behind --busy-ms of kernel work on rank 0's stream (rank 0 only:
+            # two processes' kernels time-slice one GPU): the time beyond the kernel's is the
+            # plain all_reduce's plus how late commux sees the stream finish.
             if dev.type == "cuda":
                 buf.fill_(float(me + rep))
                 sync()
@@ -104,7 +105,8 @@ def run_rank(job):
                 e1 = torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
                 e0.record()
-                torch.cuda._sleep(job["busy_cycles"])
+                if me == 0:
+                    torch.cuda._sleep(job["busy_cycles"])
                 e1.record()
                 dist.all_reduce(buf)
                 sync()
