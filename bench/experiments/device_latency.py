@@ -97,7 +97,7 @@ def protocol_tables(text, memory):
     for t in tables:
         key = re.sub(r"(ucp_context_\d+|cfg#\d+)", "", t)
         rows = [r for r in t.splitlines() if re.match(r"^\|\s*[\d.]+[KMG]?\.\.", r)]
-        if f"from {memory} memory" in t and rows and key not in seen:
+        if re.search(rf"from {memory}\b", t) and rows and key not in seen:  # "cuda/GPU0" too
             seen.add(key)
             out.append(t)
     return out
