@@ -296,12 +296,16 @@ def test_exit_right_after_future_callbacks_does_not_abort():
 def _shutdown_beside_a_callback_that_never_returns(ctx):
     """Rank 0's async all_reduce has a future callback (user code) that blocks until after
     destroy_process_group(): it holds a commux thread inside the group. Rank 1 joins the
-    all_reduce late, so the callback is registered before the collective completes and runs on a
-    commux thread, not in .then() itself."""
+    all_reduce only once rank 0 has registered the callback, so the callback runs on a commux
+    thread when the collective completes, not in .then() itself."""
     import tempfile
     x = torch.ones(100)
+    registered = os.path.join(ctx.dir, "callback-registered")
     if ctx.rank != 0:
-        time.sleep(1.0)
+        until = time.monotonic() + 60
+        while not os.path.exists(registered):
+            assert time.monotonic() < until, "rank 0 never registered its callback"
+            time.sleep(0.01)
         dist.all_reduce(x)
         return mp.ExitAfterReply((0.0, ""), mode="destroy")
     started, release = threading.Event(), threading.Event()
@@ -312,6 +316,7 @@ def _shutdown_beside_a_callback_that_never_returns(ctx):
         return f.value()
 
     chained = dist.all_reduce(x, async_op=True).get_future().then(blocks)
+    open(registered, "w").close()
     assert started.wait(30), "the future callback did not start"
     fd, path = tempfile.mkstemp()
     saved = os.dup(2)
