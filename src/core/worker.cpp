@@ -250,8 +250,7 @@ void Worker::progress_thread_main() {
         continue;
       }
       if (holding) {
-        idle = std::min<std::chrono::microseconds>(idle + idle / 4 + std::chrono::microseconds(1),
-                                                   kHeldPoll);
+        idle = grow_nap(idle, kHeldPoll);
         if (wait_for_kick(idle, efd_)) idle = kMinIdle;
         continue;
       }
@@ -270,7 +269,7 @@ void Worker::progress_thread_main() {
     const auto cap = holding     ? kHeldPoll
                      : in_flight ? std::chrono::microseconds(2000)
                                  : std::chrono::microseconds(20000);
-    idle = std::min(idle + idle / 4 + std::chrono::microseconds(1), cap);
+    idle = grow_nap(idle, cap);
     if (wait_for_kick(idle, -1)) {
       idle = kMinIdle;
       active = Clock::now();
