@@ -565,3 +565,41 @@ TEST(PollBackoff, NapsStayAQuarterOfTheWaitAndSettleAtTheCap) {
     EXPECT_EQ(b.next(), first);
   }
 }
+
+// A long wait does not keep polling at the short cap: the naps stay within it while the wait is
+// under kLongWaitRatio times it, then within 1/kLongWaitRatio of the wait (and a quarter more),
+// and settle at the long cap. Without it a post held behind a kernel for seconds was polled 4000
+// times a second (Failures.HeldPostWaitedForSecondsUsesLittleCpu used 7% of a core).
+TEST(PollBackoff, ALongWaitSettlesAtTheLongCap) {
+  using std::chrono::microseconds;
+  namespace d = commux::detail;
+  d::PollBackoff b(microseconds(20), d::kEventPollCap, d::kEventPollLongCap);
+  microseconds waited{0}, last{0};
+  for (int k = 0; k < 20000 && waited < std::chrono::seconds(2); ++k) {
+    const microseconds nap = b.next();
+    SCOPED_TRACE("nap " + std::to_string(k) + " of " + std::to_string(nap.count()) + " us after " +
+                 std::to_string(waited.count()) + " us");
+    EXPECT_GE(nap, last);
+    EXPECT_LE(nap, d::kEventPollLongCap);
+    if (waited < d::kEventPollCap * d::kLongWaitRatio) {
+      EXPECT_LE(nap, d::kEventPollCap);
+    }
+    EXPECT_LE(nap,
+              std::max(d::kEventPollCap, waited / d::kLongWaitRatio * 5 / 4 + microseconds(2)));
+    waited += nap;
+    last = nap;
+  }
+  EXPECT_EQ(last, d::kEventPollLongCap);
+  b.reset();
+  EXPECT_EQ(b.next(), microseconds(20));
+  // A wait that starts over keeps to the short cap again for its first 16 ms.
+  microseconds again = b.next() + microseconds(20);
+  while (again < d::kEventPollCap * d::kLongWaitRatio) {
+    const microseconds nap = b.next();
+    EXPECT_LE(nap, d::kEventPollCap) << "after " << again.count() << " us";
+    again += nap;
+  }
+  // A long cap under the short one is the short one.
+  EXPECT_EQ(d::wait_cap(std::chrono::seconds(10), microseconds(500), microseconds(100)),
+            microseconds(500));
+}

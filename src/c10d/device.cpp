@@ -178,11 +178,13 @@ void StreamFence::wait(std::chrono::steady_clock::time_point deadline, const cha
   using Clock = std::chrono::steady_clock;
   for (std::size_t i = 0; i < events_.size(); ++i) {
     // Poll the event: yield for the first 100 us (a kernel about to finish), then sleep in naps
-    // that grow by a quarter up to kEventPollCap (core/backoff.hpp: the stream's end is seen at
-    // most about a quarter of the wait late, and never more than the cap), so that the wait
-    // honours the deadline (Event::synchronize has none).
+    // that grow by a quarter up to kEventPollCap, and in a wait of more than 16 ms up to
+    // kEventPollLongCap (core/backoff.hpp: the stream's end is seen at most about a quarter of
+    // the wait late, never more than 250 us in the first 16 ms nor 1/64 of a longer wait), so
+    // that the wait honours the deadline (Event::synchronize has none).
     const auto spin_until = Clock::now() + std::chrono::microseconds(100);
-    detail::PollBackoff nap(std::chrono::microseconds(20), detail::kEventPollCap);
+    detail::PollBackoff nap(std::chrono::microseconds(20), detail::kEventPollCap,
+                            detail::kEventPollLongCap);
     while (!events_[i].query()) {
       const auto now = Clock::now();
       if (now >= deadline) {

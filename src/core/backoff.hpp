@@ -3,8 +3,13 @@
 // grow the same way (grow_nap), with a cap that depends on what is in flight.
 // The naps before the k-th add up to about four times it, so whatever the poll waits for is
 // noticed late by at most about a quarter of the time waited so far, and never by more than the
-// cap; a long wait settles at one poll per cap. (Doubling naps let a 1 ms cap be missed by up to
-// the whole last nap: a stream that finished 40 us after a poll was seen up to 1 ms late.)
+// cap. (Doubling naps let a 1 ms cap be missed by up to the whole last nap: a stream that finished
+// 40 us after a poll was seen up to 1 ms late.)
+// A long wait (a post held behind a kernel that runs for seconds) does not keep polling at the
+// short cap: once the wait has lasted kLongWaitRatio times the cap, the cap grows with it, up to
+// a long cap, so the end is still seen within about 1/64 of the time waited (under 2%), and a wait
+// of seconds settles at one poll per long cap. (At a 250 us cap, a post held for 3 s cost 7% of a
+// core on a slow VM; at 1 ms it costs about a quarter of that.)
 // Internal to commux (src/core, and src/c10d's device fences). Torch-free and UCX-free.
 #pragma once
 
@@ -14,8 +19,20 @@
 namespace commux::detail {
 
 // The cap of the polls for a device stream's event (a fence before a post or a collective): a
-// stream whose work ends is seen within this, at about 4000 polls a second while one waits.
+// stream whose work ends in the first 16 ms of a wait is seen within this...
 inline constexpr std::chrono::microseconds kEventPollCap{250};
+// ...and one that ends later within 1/kLongWaitRatio of the wait, never more than this: a wait
+// of seconds polls about 1000 times a second.
+inline constexpr std::chrono::microseconds kEventPollLongCap{1000};
+inline constexpr int kLongWaitRatio = 64;
+
+// The cap for a nap after `waited`: `cap` until waited / kLongWaitRatio passes it, then that, up
+// to `long_cap` (taken as at least `cap`).
+constexpr std::chrono::microseconds wait_cap(std::chrono::microseconds waited,
+                                             std::chrono::microseconds cap,
+                                             std::chrono::microseconds long_cap) noexcept {
+  return std::clamp(waited / kLongWaitRatio, cap, std::max(cap, long_cap));
+}
 
 // The nap after `nap`: a quarter (and a microsecond) longer, at most `cap`.
 constexpr std::chrono::microseconds grow_nap(std::chrono::microseconds nap,
@@ -25,21 +42,34 @@ constexpr std::chrono::microseconds grow_nap(std::chrono::microseconds nap,
 
 class PollBackoff {
  public:
+  // Naps from `first` up to `cap`, and in a long wait up to `long_cap` (wait_cap).
+  constexpr PollBackoff(std::chrono::microseconds first, std::chrono::microseconds cap,
+                        std::chrono::microseconds long_cap) noexcept
+      : first_(first),
+        cap_(std::max(cap, first)),
+        long_cap_(std::max(long_cap, cap_)),
+        nap_(first) {}
   constexpr PollBackoff(std::chrono::microseconds first, std::chrono::microseconds cap) noexcept
-      : first_(first), cap_(std::max(cap, first)), nap_(first) {}
+      : PollBackoff(first, cap, cap) {}
   // The nap to take now; the next one is a quarter longer.
   std::chrono::microseconds next() noexcept {
     const std::chrono::microseconds n = nap_;
-    nap_ = grow_nap(nap_, cap_);
+    waited_ += n;
+    nap_ = grow_nap(nap_, wait_cap(waited_, cap_, long_cap_));
     return n;
   }
-  // Something happened: the next nap is the first again.
-  void reset() noexcept { nap_ = first_; }
+  // Something happened: the next nap is the first again, and the wait starts over.
+  void reset() noexcept {
+    nap_ = first_;
+    waited_ = std::chrono::microseconds(0);
+  }
 
  private:
   std::chrono::microseconds first_;
   std::chrono::microseconds cap_;
+  std::chrono::microseconds long_cap_;
   std::chrono::microseconds nap_;
+  std::chrono::microseconds waited_{0};  // the naps taken since the start (or reset)
 };
 
 }  // namespace commux::detail

@@ -116,7 +116,7 @@ Request Channel::post_after(std::shared_ptr<Gate> gate, Direction dir, const cha
                             std::uint32_t tag, bool fast_completion) {
   if (gate) {
     const auto deadline = std::chrono::steady_clock::now() + options().timeout;
-    PollBackoff nap(std::chrono::microseconds(20), kEventPollCap);
+    PollBackoff nap(std::chrono::microseconds(20), kEventPollCap, kEventPollLongCap);
     while (!gate->open()) {
       if (std::chrono::steady_clock::now() >= deadline) {
         throw Error(Errc::kTimeout, ErrorSite{name, peer, tag, {}, std::to_string(options().group)},

@@ -196,7 +196,9 @@ void Worker::progress_thread_main() {
   constexpr auto kMinIdle = std::chrono::microseconds(5);
   auto idle = kMinIdle;
   auto next_check = Clock::now();
-  auto active = Clock::now();  // the last progress that did something, or kick
+  auto active = Clock::now();      // the last progress that did something, or kick
+  auto held_since = Clock::now();  // since when posts have been held (while any are)
+  bool was_holding = false;
   while (!stop_.load()) {
     if (inflight_count_.load() > 0 && Clock::now() >= next_check) {
       {
@@ -242,15 +244,21 @@ void Worker::progress_thread_main() {
     }
     const bool in_flight = inflight_count_.load() > 0;
     // A post held behind a gate (a device stream's event) raises no event when the gate opens:
-    // poll for it, backing off from 5 us to kHeldPoll.
+    // poll for it, backing off from 5 us to kHeldPoll, and once posts have been held for long
+    // (a kernel that runs for seconds) up to kHeldPollLong (backoff.hpp: wait_cap).
     const bool holding = held_.load() > 0;
+    if (holding && !was_holding) held_since = now;
+    was_holding = holding;
+    const auto held_cap =
+        wait_cap(std::chrono::duration_cast<std::chrono::microseconds>(now - held_since), kHeldPoll,
+                 kHeldPollLong);
     if (efd_ >= 0) {
       if (n > 0 || busy) {
         idle = kMinIdle;
         continue;
       }
       if (holding) {
-        idle = grow_nap(idle, kHeldPoll);
+        idle = grow_nap(idle, held_cap);
         if (wait_for_kick(idle, efd_)) idle = kMinIdle;
         continue;
       }
@@ -266,7 +274,7 @@ void Worker::progress_thread_main() {
     // Grow by 1/4 per idle poll: the interval stays about a fifth of the time since the last
     // activity, so a completion is noticed late by at most ~20% of the wait, and a long wait
     // settles at the cap (2 ms while work is in flight, 20 ms otherwise).
-    const auto cap = holding     ? kHeldPoll
+    const auto cap = holding     ? held_cap
                      : in_flight ? std::chrono::microseconds(2000)
                                  : std::chrono::microseconds(20000);
     idle = grow_nap(idle, cap);

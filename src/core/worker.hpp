@@ -115,8 +115,8 @@ class Worker {
     }
   }
   // Posts held back behind a gate (Engine::post_after), over every Engine: while there are any,
-  // the progress thread polls at least every kHeldPoll, so a post whose gate opens goes out
-  // within that even when nobody waits on it.
+  // the progress thread polls at least every kHeldPoll (kHeldPollLong once posts have been held
+  // for over 16 ms), so a post whose gate opens goes out within that even when nobody waits on it.
   void held_changed(int delta) noexcept { held_.fetch_add(delta); }
   // Wakes the progress thread (no lock needed).
   void kick() noexcept;
@@ -165,6 +165,7 @@ class Worker {
   std::atomic<int> inflight_large_{0};
   std::atomic<int> held_{0};
   static constexpr std::chrono::microseconds kHeldPoll = kEventPollCap;
+  static constexpr std::chrono::microseconds kHeldPollLong = kEventPollLongCap;
   std::atomic<int> spinners_{0};     // threads spinning in wait(): the progress thread stays off
   std::atomic<int> sleepers_{0};     // threads sleeping in wait(): completions notify done_cv_
   std::atomic<bool> parked_{false};  // the progress thread is staying off for a spinner
