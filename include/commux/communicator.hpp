@@ -68,11 +68,13 @@ struct Options {
   Wakeup wakeup = Wakeup::kAuto;
   // When the machine runs more threads than it has CPUs, a spinning waiter takes the CPU from the
   // very rank it waits for. A waiter's poll that finds nothing to do yields the CPU
-  // (sched_yield): kAuto: once the wait has spun a few microseconds, and from the first poll when
-  // this communicator's ranks on this host outnumber the CPUs of this process's affinity mask
-  // (options().yield then reports kOn), as MPI's yield-when-idle does; kOn: from the first poll;
-  // kOff: never (spin, then sleep). One worker serves the process's communicators: the last one
-  // created with kOn (or found oversubscribed) or kOff sets the mode for all of them.
+  // (sched_yield): kAuto: once the wait has spun a few microseconds (but for 100 ms not at all
+  // after a yield that took over 200 us: a foreign task held the CPU a whole slice), and from the
+  // first poll when this communicator's ranks on this host outnumber the CPUs of this process's
+  // affinity mask (options().yield then reports kOn), as MPI's yield-when-idle does; kOn: from
+  // the first poll; kOff: never (spin, then sleep). One worker serves the process's
+  // communicators: the last one created with kOn (or found oversubscribed) or kOff sets the mode
+  // for all of them.
   enum class Yield : std::uint8_t { kAuto, kOn, kOff };
   Yield yield = Yield::kAuto;
   // Group id carried in every tag (0 .. 255): the first one tried. At creation the members agree,

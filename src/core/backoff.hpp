@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 namespace commux::detail {
@@ -70,6 +71,35 @@ class PollBackoff {
   std::chrono::microseconds long_cap_;
   std::chrono::microseconds nap_;
   std::chrono::microseconds waited_{0};  // the naps taken since the start (or reset)
+};
+
+// Whether a waiter's sched_yield() pays. It does where the only other runnable threads are the
+// ranks (and threads) it waits for: each yields back within microseconds. It does not where a
+// foreign CPU hog (a compile, a data loader) shares the CPU: since Linux 6.6 (EEVDF) a yield
+// pushes the yielder's deadline a whole slice back, so every yield hands the hog a slice of
+// about 1.5 ms, and an 8 B allreduce between two ranks beside two busy loops took 2 ms (20 us
+// spinning without yields). So a yield that took longer than kSlow closes the gate for kOffFor;
+// meanwhile waiters spin without yielding (then sleep as always), and the first yield after it
+// probes again. Shared by the threads of a process (relaxed atomics: a late view costs one yield).
+class YieldGate {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr std::chrono::microseconds kSlow{200};
+  static constexpr std::chrono::milliseconds kOffFor{100};
+
+  bool open(Clock::time_point now) const noexcept {
+    return now.time_since_epoch().count() >= shut_until_.load(std::memory_order_relaxed);
+  }
+  // A yield that began at `t0` returned at `t1`: whether yielding still pays (false: it was slow,
+  // and the gate is shut until t1 + kOffFor).
+  bool record(Clock::time_point t0, Clock::time_point t1) noexcept {
+    if (t1 - t0 < kSlow) return true;
+    shut_until_.store((t1 + kOffFor).time_since_epoch().count(), std::memory_order_relaxed);
+    return false;
+  }
+
+ private:
+  std::atomic<Clock::rep> shut_until_{0};
 };
 
 }  // namespace commux::detail

@@ -39,8 +39,9 @@ const std::vector<Setting>& settings_table() {
        "UCX_TLS excludes shared memory anyway; off: never"},
       {"COMMUX_YIELD", "auto/on/off", "auto", kPerComm,
        "a spinning waiter's polls that find nothing to do yield the CPU (sched_yield): auto: after "
-       "a few microseconds, and at once when the group's ranks on this host outnumber the CPUs of "
-       "the process's affinity mask; on: at once; off: never"},
+       "a few microseconds (for 100 ms not at all after a yield that took over 200 us: a foreign "
+       "task holds the CPU), and at once when the group's ranks on this host outnumber the CPUs "
+       "of the process's affinity mask; on: at once; off: never"},
       {"COMMUX_UCX_DEFAULTS", "bool", "on", kPerComm, "off disables commux's UCX defaults below"},
       {"COMMUX_ATEN_REDUCE", "bool", "off", kPerComm,
        "the torch backend's CPU collectives run through the device path's code (scratch, copies "

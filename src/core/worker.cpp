@@ -239,7 +239,7 @@ void Worker::progress_thread_main() {
     // without sleeping for a while after the last activity, as a waiter spins, so that each
     // step does not pay a sleep and a wake-up. Where ranks outnumber cores, yield meanwhile.
     if (driving && n == 0 && now - active < kDriveSpin) {
-      if (yield_mode() != YieldMode::kNever) ::sched_yield();
+      if (yield_pays(now)) yield_cpu();
       continue;
     }
     const bool in_flight = inflight_count_.load() > 0;
@@ -307,6 +307,16 @@ bool Worker::wait_on_progress_thread(Op& op, Clock::time_point deadline) {
   }
 }
 
+bool Worker::yield_cpu() noexcept {
+  if (yield_mode() == YieldMode::kAlways) {
+    ::sched_yield();
+    return true;
+  }
+  const auto t0 = Clock::now();
+  ::sched_yield();
+  return yield_gate_.record(t0, Clock::now());
+}
+
 bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin) {
   if (op.done.load()) return true;
   // A driver's wait (Channel::set_driver) on the progress thread: nobody else progresses.
@@ -328,8 +338,9 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
           : std::min(deadline,
                      start + std::clamp<std::chrono::microseconds>(expected, spin, kMaxSpin));
   // A poll that finds nothing to do yields the CPU once the wait has outlived kYieldAfter (the
-  // peer may need this CPU to answer: the machine is busier than it has cores), and from the
-  // first poll in yield mode (this host's ranks outnumber its CPUs).
+  // peer may need this CPU to answer: the machine is busier than it has cores), unless a recent
+  // yield handed the CPU to a foreign task for a whole slice (YieldGate), and from the first poll
+  // in yield mode (this host's ranks outnumber its CPUs).
   const YieldMode mode = yield_mode();
   const auto yield_from = mode == YieldMode::kAlways ? start : start + kYieldAfter;
   bool yield = mode == YieldMode::kAlways;
@@ -342,11 +353,11 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
       std::lock_guard<std::mutex> lock(mu_);
       n = progress_locked();
     }
-    if (yield && n == 0) ::sched_yield();
+    if (yield && n == 0) yield = yield_cpu();
     if ((iter & 15) == 0) {
       const auto now = Clock::now();
       if (now >= spin_until) break;
-      yield = mode != YieldMode::kNever && now >= yield_from;
+      yield = now >= yield_from && yield_pays(now);
     }
   }
   const int left = spin.count() >= 0 ? spinners_.fetch_sub(1) - 1 : spinners_.load();

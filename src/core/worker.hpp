@@ -172,6 +172,15 @@ class Worker {
   // When the progress thread's current sleep ends (steady_clock ticks; 0: it is not asleep).
   std::atomic<std::int64_t> asleep_until_{0};
   std::atomic<YieldMode> yield_{YieldMode::kAfterSpin};
+  // Whether an idle poll at `now` should yield: never in kNever, always in kAlways (the ranks
+  // outnumber the CPUs: the yields go to them), in kAfterSpin while yield_gate_ is open.
+  bool yield_pays(std::chrono::steady_clock::time_point now) const noexcept {
+    const YieldMode m = yield_mode();
+    return m == YieldMode::kAlways || (m == YieldMode::kAfterSpin && yield_gate_.open(now));
+  }
+  // sched_yield(); in kAfterSpin timed, and false (stop yielding) when it was slow (YieldGate).
+  bool yield_cpu() noexcept;
+  YieldGate yield_gate_;
   std::mutex done_mu_;
   std::condition_variable done_cv_;
   std::thread progress_thread_;
