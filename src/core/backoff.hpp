@@ -77,10 +77,10 @@ class PollBackoff {
 // ranks (and threads) it waits for: each yields back within microseconds. It does not where a
 // foreign CPU hog (a compile, a data loader) shares the CPU: since Linux 6.6 (EEVDF) a yield
 // pushes the yielder's deadline a whole slice back, so every yield hands the hog a slice of
-// about 1.5 ms, and an 8 B allreduce between two ranks beside two busy loops took 2 ms (20 us
-// spinning without yields). So a yield that took longer than kSlow closes the gate for kOffFor;
-// meanwhile waiters spin without yielding (then sleep as always), and the first yield after it
-// probes again. Shared by the threads of a process (relaxed atomics: a late view costs one yield).
+// about 1.5 ms, and an 8 B allreduce between two ranks beside two busy loops took 1.7 ms (10 us
+// with this gate; bench/experiments/busy_neighbour.py). So a yield that took longer than kSlow
+// closes the gate for kOffFor; meanwhile waiters spin without yielding (then sleep as always),
+// and the first yield after it probes again. Shared by the threads of a process (relaxed atomics: a late view costs one yield).
 class YieldGate {
  public:
   using Clock = std::chrono::steady_clock;
