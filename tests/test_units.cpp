@@ -548,7 +548,7 @@ TEST(PollBackoff, NapsStayAQuarterOfTheWaitAndSettleAtTheCap) {
   for (const auto& [first, cap] : {std::pair{microseconds(20), commux::detail::kEventPollCap},
                                    std::pair{microseconds(5), microseconds(2000)},
                                    std::pair{microseconds(1), microseconds(1)}}) {
-    commux::detail::PollBackoff b(first, cap);
+    commux::detail::PollBackoff b(first, cap, cap);  // no long cap
     microseconds waited{0}, last{0};
     for (int k = 0; k < 200; ++k) {
       const microseconds nap = b.next();

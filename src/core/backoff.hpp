@@ -10,6 +10,8 @@
 // a long cap, so the end is still seen within about 1/64 of the time waited (under 2%), and a wait
 // of seconds settles at one poll per long cap. (At a 250 us cap, a post held for 3 s cost 7% of a
 // core on a slow VM; at 1 ms it costs about a quarter of that.)
+// YieldGate, below, decides the same kind of question for a spinning waiter: whether yielding
+// the CPU pays.
 // Internal to commux (src/core, and src/c10d's device fences). Torch-free and UCX-free.
 #pragma once
 
@@ -43,15 +45,14 @@ constexpr std::chrono::microseconds grow_nap(std::chrono::microseconds nap,
 
 class PollBackoff {
  public:
-  // Naps from `first` up to `cap`, and in a long wait up to `long_cap` (wait_cap).
+  // Naps from `first` up to `cap`, and in a long wait up to `long_cap` (wait_cap; pass `cap`
+  // again for none).
   constexpr PollBackoff(std::chrono::microseconds first, std::chrono::microseconds cap,
                         std::chrono::microseconds long_cap) noexcept
       : first_(first),
         cap_(std::max(cap, first)),
         long_cap_(std::max(long_cap, cap_)),
         nap_(first) {}
-  constexpr PollBackoff(std::chrono::microseconds first, std::chrono::microseconds cap) noexcept
-      : PollBackoff(first, cap, cap) {}
   // The nap to take now; the next one is a quarter longer.
   std::chrono::microseconds next() noexcept {
     const std::chrono::microseconds n = nap_;
@@ -80,7 +81,8 @@ class PollBackoff {
 // about 1.5 ms, and an 8 B allreduce between two ranks beside two busy loops took 1.7 ms (10 us
 // with this gate; bench/experiments/busy_neighbour.py). So a yield that took longer than kSlow
 // closes the gate for kOffFor; meanwhile waiters spin without yielding (then sleep as always),
-// and the first yield after it probes again. Shared by the threads of a process (relaxed atomics: a late view costs one yield).
+// and the first yield after it probes again. Shared by the threads of a process (relaxed
+// atomics: a late view costs one yield).
 class YieldGate {
  public:
   using Clock = std::chrono::steady_clock;
