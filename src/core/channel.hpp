@@ -135,6 +135,9 @@ class Channel {
   }
   // Wakes the progress thread, so that it calls the driver soon (work the driver can start).
   virtual void wake_driver() noexcept {}
+  // How many times the progress thread has taken the channel's lock to progress it (0 without
+  // one): for the tests, and to see how much of the progress it does.
+  virtual std::uint64_t progress_thread_passes() const noexcept { return 0; }
 
   Request post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
                     std::uint32_t tag, bool fast_completion = false) {

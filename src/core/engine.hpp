@@ -65,6 +65,9 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
     return worker_.set_driver(this, std::move(driver));
   }
   void wake_driver() noexcept override { worker_.wake_if_asleep(std::chrono::microseconds(100)); }
+  std::uint64_t progress_thread_passes() const noexcept override {
+    return worker_.progress_thread_passes();
+  }
 
   // Requests (op.cpp); Op's RequestState methods call the last three.
   std::shared_ptr<Op> post_op(Op::Kind kind, const char* name, const Buffer* buffers,

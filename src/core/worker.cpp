@@ -2,6 +2,7 @@
 #include "worker.hpp"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -23,6 +24,12 @@ constexpr std::chrono::microseconds kYieldAfter{5};
 // How long the progress thread polls without sleeping after the last activity while a driver has
 // work listed (Channel::set_driver): a waiter's default spin.
 constexpr std::chrono::microseconds kDriveSpin{100};
+// How long the progress thread stays parked while a user thread spins, and while user threads
+// progress the worker back to back (Worker::user_progress_; from kRecentSpinPark, doubling up to
+// kSpinnerPark): between two looks the callers' own waits progress the worker, and each look is
+// a wake-up that preempts a caller where cores are few.
+constexpr std::chrono::milliseconds kSpinnerPark{10};
+constexpr std::chrono::milliseconds kRecentSpinPark{1};
 // Set on the progress thread: a wait there (a driver's) must progress itself.
 thread_local bool t_progress_thread = false;
 }  // namespace
@@ -191,6 +198,8 @@ void Worker::stop_progress_thread() {
 
 void Worker::progress_thread_main() {
   t_progress_thread = true;
+  // Named for top -H, perf and the tests (at most 15 characters).
+  ::pthread_setname_np(::pthread_self(), "commux-progress");
   // Polling mode backs off from 5 us to a cap while nothing happens: responsive right after
   // traffic, nearly free when idle.
   constexpr auto kMinIdle = std::chrono::microseconds(5);
@@ -199,6 +208,10 @@ void Worker::progress_thread_main() {
   auto active = Clock::now();      // the last progress that did something, or kick
   auto held_since = Clock::now();  // since when posts have been held (while any are)
   bool was_holding = false;
+  std::uint64_t progress_seen = 0;  // user_progress_ as of the last look
+  bool kicked = false;              // the last park ended with a kick
+  bool drivers_busy = false;        // a driver had work listed at the last drive()
+  auto recent_park = kRecentSpinPark;
   while (!stop_.load()) {
     if (inflight_count_.load() > 0 && Clock::now() >= next_check) {
       {
@@ -210,19 +223,40 @@ void Worker::progress_thread_main() {
     // (parked_ is set before spinners_ is read, so a spinner that stops after this read sees it
     // and kicks.)
     parked_.store(true);
-    if (spinners_.load() > 0) {
-      // A user thread is progressing: stay off the CPU until it stops (or 10 ms pass).
-      wait_for_kick(std::chrono::milliseconds(10), -1);
+    const bool spinning = spinners_.load() > 0;
+    const std::uint64_t progressed = user_progress_.load(std::memory_order_relaxed);
+    // A user thread is progressing: stay off the CPU until it stops (or 10 ms pass). User
+    // threads that progressed since the last look are waiting back to back (short calls in a
+    // loop): look again later, from 1 ms up to 10 ms while that goes on, rather than take the
+    // worker between their waits, which cost a preemption of a caller at each wake-up where
+    // cores are few. Not while anything needs this thread between the callers' waits: a
+    // transfer above kBackgroundBytes (it moves only while someone progresses: overlap with
+    // the caller's computation), a held post (its gate is polled), a driver's listed work (only
+    // this thread resumes it). A kick (a waiter handing progress back or going to sleep, work
+    // for a driver) is obeyed at once.
+    const bool background = drivers_busy || inflight_large_.load() > 0 || held_.load() > 0;
+    if (spinning || (progressed != progress_seen && !kicked && !background)) {
+      progress_seen = progressed;
+      auto park = kSpinnerPark;
+      if (!spinning) {
+        park = recent_park;
+        recent_park = std::min(recent_park * 2, kSpinnerPark);
+      }
+      kicked = wait_for_kick(park, -1);
       parked_.store(false);
       idle = kMinIdle;
       continue;
     }
+    progress_seen = progressed;
+    kicked = false;
+    recent_park = kRecentSpinPark;
     parked_.store(false);
     unsigned n = 0;
     bool busy = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (shut_down_) break;
+      thread_passes_.fetch_add(1, std::memory_order_relaxed);
       for (int i = 0; i < 256; ++i) {
         const unsigned k = progress_locked();
         n += k;
@@ -233,6 +267,7 @@ void Worker::progress_thread_main() {
     // The layers above resume what this progress completed (Channel::set_driver). What a driver
     // posts either completes in its own progress call or shows up in the next one here.
     const bool driving = drive();
+    drivers_busy = driving;
     const auto now = Clock::now();
     if (n > 0) active = now;
     // A driver with work listed expects completions soon (a collective's next step): poll
@@ -323,7 +358,13 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   if (t_progress_thread) return wait_on_progress_thread(op, Clock::now() + timeout);
   {  // one progress call before anything else: most small messages complete here
     std::lock_guard<std::mutex> lock(mu_);
-    progress_locked();
+    // (A wait that will not spin, the later slices of a wait in slices, sleeps on the progress
+    // thread's work: not counted as a caller progressing the worker itself.)
+    if (spin.count() >= 0) {
+      user_progress_locked();
+    } else {
+      progress_locked();
+    }
   }
   if (op.done.load()) return true;
   const auto start = Clock::now();
@@ -351,7 +392,7 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
     unsigned n = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      n = progress_locked();
+      n = user_progress_locked();
     }
     if (yield && n == 0) yield = yield_cpu();
     if ((iter & 15) == 0) {

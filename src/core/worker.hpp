@@ -63,6 +63,14 @@ class Worker {
   // One progress step: UCX's, then each Engine's own (deferred work, failing receives that wait
   // on gone peers). [mu]
   unsigned progress_locked();
+  // progress_locked() for a user thread's spinning wait: counted, so that the progress thread
+  // stays parked while user threads progress the worker back to back. (Not test(): a thread that
+  // waits in slices polls with it between its sleeps on the progress thread's work.) [mu]
+  unsigned user_progress_locked() {
+    user_progress_.store(user_progress_.load(std::memory_order_relaxed) + 1,
+                         std::memory_order_relaxed);
+    return progress_locked();
+  }
   // Receives and drops the messages waiting unmatched in the worker whose tag matches
   // (tag, mask): what was sent to a communicator that has shut down, so that it neither matches
   // a later communicator given the same group id nor stays in UCX's buffers. Waits for each at
@@ -94,6 +102,10 @@ class Worker {
   Op* inflight_locked() const noexcept { return inflight_; }  // the first; follow Op::next
   std::vector<std::shared_ptr<Op>> inflight_snapshot_locked() const;
   bool any_inflight() const noexcept { return inflight_count_.load() > 0; }  // no lock needed
+  // How many times the progress thread has taken the worker to progress it (no lock needed).
+  std::uint64_t progress_thread_passes() const noexcept {
+    return thread_passes_.load(std::memory_order_relaxed);
+  }
 
   // The progress thread (docs/progress.md): started once bootstrap is done, stopped (and joined)
   // first thing in shutdown.
@@ -160,15 +172,21 @@ class Worker {
   std::atomic<int> inflight_count_{0};
   // Operations above kBackgroundBytes: a transfer in several fragments or a rendezvous, which
   // moves only while someone progresses. A waiter that stops spinning hands progress back to the
-  // progress thread at once only while one is in flight (wait()).
+  // progress thread at once only while one is in flight (wait()), and the progress thread does
+  // not stay parked for callers' waits back to back meanwhile (progress_thread_main).
   static constexpr std::size_t kBackgroundBytes = 4096;
   std::atomic<int> inflight_large_{0};
   std::atomic<int> held_{0};
   static constexpr std::chrono::microseconds kHeldPoll = kEventPollCap;
   static constexpr std::chrono::microseconds kHeldPollLong = kEventPollLongCap;
-  std::atomic<int> spinners_{0};     // threads spinning in wait(): the progress thread stays off
+  std::atomic<int> spinners_{0};  // threads spinning in wait(): the progress thread stays off
+  // User threads' progress calls (user_progress_locked), written under mu_ and read without it
+  // by the progress thread: while the count moves between two of its looks, callers progress
+  // the worker themselves (docs/progress.md).
+  std::atomic<std::uint64_t> user_progress_{0};
+  std::atomic<std::uint64_t> thread_passes_{0};  // progress_thread_passes()
   std::atomic<int> sleepers_{0};     // threads sleeping in wait(): completions notify done_cv_
-  std::atomic<bool> parked_{false};  // the progress thread is staying off for a spinner
+  std::atomic<bool> parked_{false};  // the progress thread is staying off for user threads
   // When the progress thread's current sleep ends (steady_clock ticks; 0: it is not asleep).
   std::atomic<std::int64_t> asleep_until_{0};
   std::atomic<YieldMode> yield_{YieldMode::kAfterSpin};
