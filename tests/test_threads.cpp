@@ -495,7 +495,7 @@ long progress_thread_wakeups() {
 // whenever it found no spinner at that instant (between two of its caller's waits), then slept and
 // looked again: thousands of wake-ups a second, each a preemption of a caller where the cores are
 // few. Here (2 CPUs), before: 5600-7300 passes in the half second, 6000-7400 wake-ups a second,
-// 6.9-7.6 us per iteration; now no pass, 200 wake-ups a second, 5.8 us. Beside a second copy of
+// 6.9-7.6 us per iteration; now no pass, 200 wake-ups a second, 5.8-6.5 us. Beside a second copy of
 // the test, before: 250-1100 passes; now 0-120 (so ctest runs it alone: tests/CMakeLists.txt).
 TEST(Threads, TheProgressThreadStaysParkedWhileCallersWaitBackToBack) {
   TempDir dir;
