@@ -20,6 +20,20 @@
 
 namespace commux::test {
 
+// Built with AddressSanitizer or ThreadSanitizer: tests of timing or address space skip what
+// the sanitizer makes meaningless.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 inline constexpr int kFailExit = 3;
 inline constexpr int kHangExit = 124;
 

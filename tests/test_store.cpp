@@ -31,17 +31,7 @@ using commux::test::free_port;
 
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using commux::test::kSanitized;
 
 // A raw client: connected, with a 10 s receive timeout so that a server which never answers fails
 // the test instead of hanging it. -1 when the connection cannot be made.

@@ -150,11 +150,17 @@ std::vector<std::shared_ptr<Op>> Worker::inflight_snapshot_locked() const {
   return out;
 }
 
-void Worker::kick() noexcept {
+// What the progress thread's eventfd counts: kicks in its low 32 bits, background wake-ups
+// (wake_for_background_locked) above them, so that one read tells whether a kick came too.
+constexpr std::uint64_t kKickCount = 1;
+constexpr std::uint64_t kBackgroundCount = std::uint64_t{1} << 32;
+
+void Worker::signal(std::uint64_t count) noexcept {
   if (wake_fd_ < 0) return;
-  const std::uint64_t one = 1;
-  [[maybe_unused]] const ssize_t w = ::write(wake_fd_, &one, sizeof(one));
+  [[maybe_unused]] const ssize_t w = ::write(wake_fd_, &count, sizeof(count));
 }
+
+void Worker::kick() noexcept { signal(kKickCount); }
 
 void Worker::wake_if_asleep(std::chrono::microseconds late) noexcept {
   const std::int64_t until = asleep_until_.load();
@@ -164,23 +170,62 @@ void Worker::wake_if_asleep(std::chrono::microseconds late) noexcept {
   }
 }
 
-bool Worker::wait_for_kick(std::chrono::microseconds timeout, int other_fd) {
-  asleep_until_.store((Clock::now() + timeout).time_since_epoch().count());
+void Worker::wake_for_background_locked() noexcept {
+  // (Read first: written only around the progress thread's long sleeps, so this costs a post
+  // next to nothing in the common case.)
+  if (long_sleep_.load(std::memory_order_relaxed) && long_sleep_.exchange(false)) {
+    signal(kBackgroundCount);
+  }
+}
+
+Worker::Woke Worker::sleep_until(Clock::time_point end, int other_fd) {
+  asleep_until_.store(end.time_since_epoch().count());
   struct Awake {
     std::atomic<std::int64_t>& until;
     ~Awake() { until.store(0); }
   } awake{asleep_until_};
   pollfd fds[2] = {pollfd{wake_fd_, POLLIN, 0}, pollfd{other_fd, POLLIN, 0}};
+  const auto timeout = std::max(Clock::duration::zero(),
+                                std::chrono::duration_cast<Clock::duration>(end - Clock::now()));
   const auto secs = std::chrono::duration_cast<std::chrono::seconds>(timeout);
-  const timespec ts{static_cast<time_t>(secs.count()),
-                    static_cast<long>((timeout - secs).count() * 1000)};
+  const timespec ts{
+      static_cast<time_t>(secs.count()),
+      static_cast<long>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(timeout - secs).count())};
   const int r = ::ppoll(fds, other_fd >= 0 ? 2 : 1, &ts, nullptr);
   if (r > 0 && (fds[0].revents & POLLIN)) {
     std::uint64_t drain = 0;
     [[maybe_unused]] const ssize_t got = ::read(wake_fd_, &drain, sizeof(drain));
-    return true;
+    return (drain & (kBackgroundCount - 1)) != 0 ? Woke::kKick : Woke::kBackground;
   }
-  return false;
+  return r > 0 ? Woke::kFd : Woke::kTimeout;
+}
+
+bool Worker::wait_for_kick(std::chrono::microseconds timeout, int other_fd) {
+  const auto end = Clock::now() + timeout;
+  // A post may cut a long sleep short (once per sleep: a caller that waits for what it posted
+  // costs one wake-up per sleep at most).
+  struct LongSleep {
+    std::atomic<bool>& flag;
+    ~LongSleep() { flag.store(false, std::memory_order_relaxed); }
+  } long_sleep{long_sleep_};
+  if (timeout > kBackgroundLate) long_sleep_.store(true, std::memory_order_relaxed);
+  for (;;) {
+    Woke woke = sleep_until(end, other_fd);
+    if (woke != Woke::kBackground) return woke == Woke::kKick;
+    // A transfer above kBackgroundBytes was posted while nobody spun. A caller that goes on to
+    // wait for it progresses the worker itself within kBackgroundGrace: then sleep on. One that
+    // computes instead leaves it to this thread: return as kicked (no more parking, poll).
+    const std::uint64_t mark = user_progress_.load(std::memory_order_relaxed);
+    woke = sleep_until(std::min(end, Clock::now() + kBackgroundGrace), other_fd);
+    if (woke == Woke::kKick) return true;
+    if (woke == Woke::kFd) return false;
+    if (inflight_large_.load() > 0 && spinners_.load() == 0 &&
+        user_progress_.load(std::memory_order_relaxed) == mark) {
+      return true;
+    }
+    if (Clock::now() >= end) return false;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

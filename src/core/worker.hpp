@@ -86,7 +86,12 @@ class Worker {
     if (inflight_ != nullptr) inflight_->prev = op.get();
     inflight_ = op.get();
     inflight_count_.fetch_add(1);
-    if (op->capacity > kBackgroundBytes) inflight_large_.fetch_add(1);
+    if (op->capacity > kBackgroundBytes) {
+      inflight_large_.fetch_add(1);
+      // Nobody spins: the caller may compute before it waits (an exchange posted, then computed
+      // over), and only the progress thread moves the transfer meanwhile.
+      if (spinners_.load(std::memory_order_relaxed) == 0) wake_for_background_locked();
+    }
   }
   // Removes `op` and hands back its self-reference (nullptr when it was not listed).
   std::shared_ptr<Op> unregister_locked(Op& op) {
@@ -135,6 +140,11 @@ class Worker {
   // Wakes it only if it sleeps (or stays parked) for more than `late` from now: new work for a
   // thread that polls often anyway is not worth a wake-up (Channel::wake_driver).
   void wake_if_asleep(std::chrono::microseconds late) noexcept;
+  // A transfer above kBackgroundBytes was posted and nobody spins: cuts the progress thread's
+  // sleep short if it is a long one (over kBackgroundLate: parked for callers' earlier waits, or
+  // backed off), once per sleep. The thread then progresses the worker unless the caller goes on
+  // to progress it itself within kBackgroundGrace (wait_for_kick). [mu]
+  void wake_for_background_locked() noexcept;
   // How a spinning waiter's poll that finds nothing to do treats the CPU (Options::yield):
   // kAfterSpin (the default) yields it once the wait has lasted a few microseconds, kAlways from
   // the first poll, kNever keeps it. One worker serves the process: the last set wins.
@@ -148,8 +158,14 @@ class Worker {
   // wait() on the progress thread (a driver's): progresses itself until done or `deadline`,
   // since nobody else would progress what it sleeps on.
   bool wait_on_progress_thread(Op& op, std::chrono::steady_clock::time_point deadline);
-  // Sleeps until kick() (true), `timeout`, or `other_fd` (if >= 0) becomes readable.
+  // Sleeps until kick() (true), `timeout`, or `other_fd` (if >= 0) becomes readable; a
+  // background wake-up (wake_for_background_locked) counts as a kick once kBackgroundGrace has
+  // shown that nobody progresses the worker.
   bool wait_for_kick(std::chrono::microseconds timeout, int other_fd);
+  enum class Woke : std::uint8_t { kTimeout, kKick, kBackground, kFd };
+  // One sleep of the progress thread, until `end` at the latest: what ended it.
+  Woke sleep_until(std::chrono::steady_clock::time_point end, int other_fd);
+  void signal(std::uint64_t count) noexcept;  // adds `count` to the eventfd
 
   std::mutex engines_mu_;         // taken before mu_ (see above)
   std::vector<Engine*> engines_;  // [engines_mu_ and mu_ to write; either to read]
@@ -176,6 +192,11 @@ class Worker {
   // not stay parked for callers' waits back to back meanwhile (progress_thread_main).
   static constexpr std::size_t kBackgroundBytes = 4096;
   std::atomic<int> inflight_large_{0};
+  static constexpr std::chrono::microseconds kBackgroundLate{1000};
+  static constexpr std::chrono::microseconds kBackgroundGrace{50};
+  // The progress thread sleeps longer than kBackgroundLate, and no post has cut this sleep short
+  // (wake_for_background_locked).
+  std::atomic<bool> long_sleep_{false};
   std::atomic<int> held_{0};
   static constexpr std::chrono::microseconds kHeldPoll = kEventPollCap;
   static constexpr std::chrono::microseconds kHeldPollLong = kEventPollLongCap;
