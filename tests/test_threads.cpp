@@ -471,6 +471,18 @@ void blocked_for_a_late_rank(bool scheduled) {
                             << " us of waiting";
 }
 
+// Two ranks of one group in this process, each with its own worker and progress thread (as two
+// processes have), created with `o` and a 30 s timeout.
+std::array<std::unique_ptr<Communicator>, 2> two_ranks_in_process(const TempDir& dir, Options o) {
+  o.timeout = std::chrono::seconds(30);
+  auto store = dir.store();
+  std::array<std::unique_ptr<Communicator>, 2> comms;
+  std::thread r1([&] { comms[1] = std::make_unique<Communicator>(store, 1, 2, o); });
+  comms[0] = std::make_unique<Communicator>(store, 0, 2, o);
+  r1.join();
+  return comms;
+}
+
 // Wake-ups (voluntary context switches) of this process's progress threads so far, or -1 when
 // none runs: they are named "commux-progress".
 long progress_thread_wakeups() {
@@ -499,19 +511,12 @@ long progress_thread_wakeups() {
 // the test, before: 250-1100 passes; now 0-120 (so ctest runs it alone: tests/CMakeLists.txt).
 TEST(Threads, TheProgressThreadStaysParkedWhileCallersWaitBackToBack) {
   TempDir dir;
-  auto store = dir.store();
-  std::unique_ptr<Communicator> comms[2];
   Options o = default_test_options();
-  o.timeout = std::chrono::seconds(30);
   // Waits spin to the end, even on a machine busy with other tests: a wait that went to sleep
   // would kick the progress thread (rightly: then it must progress), which is not what this
   // counts.
   o.spin = std::chrono::seconds(1);
-  std::thread r1([&] { comms[1] = std::make_unique<Communicator>(store, 1, 2, o); });
-  comms[0] = std::make_unique<Communicator>(store, 0, 2, o);
-  r1.join();
-  // (Two ranks of one group in one process have a worker and progress thread each, as two
-  // processes would.)
+  auto comms = two_ranks_in_process(dir, o);
   const auto passes_now = [&] {
     return detail::channel(*comms[0]).progress_thread_passes() +
            detail::channel(*comms[1]).progress_thread_passes();
@@ -572,19 +577,14 @@ TEST(Threads, TheProgressThreadStaysParkedWhileCallersWaitBackToBack) {
 // moves only while someone progresses the worker, and during the computation only the progress
 // thread can. But it had parked (for up to 10 ms) for rank 0's spinning wait in the allreduce,
 // and so left the exchange to the wait after the computation. Here (2 CPUs), before: finished by
-// the wait in 10-19 of the 40 checks (two ranks, 20 iterations); now 38-40, the exchange
+// the wait in 2-17 of the 40 checks (two ranks, 20 iterations); now 39-40, the exchange
 // finishing 0.2-0.7 ms after the post. Not judged under a sanitizer (its slowdown leaves the
 // progress thread no time to speak of).
 TEST(Threads, AnExchangePostedRightAfterAWaitMovesWhileTheCallerComputes) {
   TempDir dir;
-  auto store = dir.store();
-  std::unique_ptr<Communicator> comms[2];
   Options o = default_test_options();
-  o.timeout = std::chrono::seconds(30);
   o.spin = std::chrono::milliseconds(2);  // a wait spins through rank 1's lateness (below)
-  std::thread r1([&] { comms[1] = std::make_unique<Communicator>(store, 1, 2, o); });
-  comms[0] = std::make_unique<Communicator>(store, 0, 2, o);
-  r1.join();
+  auto comms = two_ranks_in_process(dir, o);
   constexpr int kIters = 20;
   constexpr int kWarmUp = 2;  // the first exchanges set up the transports
   constexpr std::size_t kBytes = std::size_t{1} << 20;
