@@ -24,6 +24,10 @@ Read it top to bottom; it shows how a program uses the "ucx" backend:
     Blocking dist.send/dist.recv posted in different orders on two ranks may deadlock once messages
     are large enough for a rendezvous protocol, exactly as with MPI: post non-blocking operations
     first, then wait.
+  * --overlap: post the halos, update the cells that need none while they travel, then wait and
+    update the ring of cells next to the ghost frame (Solver.overlapped_step): the classic way to
+    hide communication behind computation. The progress thread moves the posted transfers
+    meanwhile; nothing is called on the backend between the posts and the waits.
   * every --check-every iterations the residual max |new - old| is combined with dist.all_reduce
     (ReduceOp.MAX, exact in any order).
   * verification: rank 0 gathers the grid (point-to-point) and compares it with a single-process
@@ -140,16 +144,21 @@ def initial_grid(n):
     return g
 
 
-def sweep(cur, nxt):
-    """One Jacobi step over the cells inside the frame of `cur`, written to `nxt`; returns
-    max |new - old|. The distributed run and the reference both use exactly this expression, so
-    every cell is computed with the same operations in the same order."""
-    v = cur[:-2, 1:-1] + cur[2:, 1:-1]   # north + south
-    v += cur[1:-1, :-2]                   # + west
-    v += cur[1:-1, 2:]                    # + east
+def sweep(cur, nxt, rows=slice(None), cols=slice(None)):
+    """One Jacobi step over the cells inside the frame of `cur` (or the part of them that `rows`,
+    `cols` select), written to `nxt`; returns max |new - old|, or None for no cell. The
+    distributed run and the reference both use exactly this expression, so every cell is computed
+    with the same operations in the same order, whichever part of the block a call covers."""
+    def inner(t, dy, dx):  # the cells at offset (dy, dx) from each selected cell
+        return t[1 + dy:t.shape[0] - 1 + dy, 1 + dx:t.shape[1] - 1 + dx][rows, cols]
+    v = inner(cur, -1, 0) + inner(cur, 1, 0)   # north + south
+    if v.numel() == 0:
+        return None
+    v += inner(cur, 0, -1)                     # + west
+    v += inner(cur, 0, 1)                      # + east
     v *= 0.25
-    residual = (v - cur[1:-1, 1:-1]).abs_().max()
-    nxt[1:-1, 1:-1] = v
+    residual = (v - inner(cur, 0, 0)).abs_().max()
+    inner(nxt, 0, 0)[...] = v
     return residual
 
 
@@ -212,6 +221,11 @@ class Solver:
 
     def exchange(self, f, rng):
         """Fills the ghost frame of f from the neighbours."""
+        self.finish_exchange(f, self.post_exchange(f, rng))
+
+    def post_exchange(self, f, rng):
+        """Posts the halo exchange of f; returns its Works. Until finish_exchange, the ghost frame
+        and the edge cells of f are in transit: read neither, write neither."""
         for s in self.sides:
             if not s.is_row:
                 s.send_col.copy_(s.edge(f))
@@ -227,6 +241,10 @@ class Solver:
                 buf = s.ghost(f) if s.is_row else s.recv_col
                 works.append(dist.irecv(buf, group=self.group, group_src=s.peer,
                                         tag=halo_tag(OPPOSITE[s.direction])))
+        return works
+
+    def finish_exchange(self, f, works):
+        """Waits for the Works of post_exchange and completes f's ghost frame."""
         for w in works:
             w.wait()
         for s in self.sides:
@@ -243,13 +261,28 @@ class Solver:
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)  # start together
         start = time.perf_counter()
         for it in range(iters):
-            self.exchange(cur, rng)
-            local[0] = sweep(cur, nxt)
+            if self.args.overlap:
+                local[0] = self.overlapped_step(cur, nxt, rng)
+            else:
+                self.exchange(cur, rng)
+                local[0] = sweep(cur, nxt)
             cur, nxt = nxt, cur
             if (it + 1) % self.args.check_every == 0 or it + 1 == iters:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
                 residuals[it] = local.item()
         return cur[1:-1, 1:-1].contiguous(), residuals, time.perf_counter() - start
+
+    def overlapped_step(self, cur, nxt, rng):
+        """--overlap: posts the exchange, updates the cells whose neighbours are all owned (no
+        halo needed) while the halos travel, then waits and updates the ring of cells next to
+        the frame. Returns the step's max |new - old|, the same value sweep(cur, nxt) gives."""
+        works = self.post_exchange(cur, rng)
+        parts = [sweep(cur, nxt, slice(1, -1), slice(1, -1))]
+        self.finish_exchange(cur, works)
+        parts += [sweep(cur, nxt, slice(0, 1)), sweep(cur, nxt, slice(-1, None)),
+                  sweep(cur, nxt, slice(1, -1), slice(0, 1)),
+                  sweep(cur, nxt, slice(1, -1), slice(-1, None))]
+        return max(p for p in parts if p is not None)
 
     def gather(self, block):
         """The whole grid at rank 0 (None elsewhere), over point-to-point on this group."""
@@ -307,7 +340,8 @@ def run_rank(args, backends, note):
     if rank == 0:
         ranks = f"{size} rank" + ("s" if size > 1 else "")
         print(f"halo_exchange: {args.n}x{args.n} grid, {args.iters} iterations, {ranks} as "
-              f"{px}x{py} blocks, residual all-reduced every {args.check_every}, seed {args.seed}, "
+              f"{px}x{py} blocks{', overlapped' if args.overlap else ''}, residual all-reduced every "
+              f"{args.check_every}, seed {args.seed}, "
               f"backends {','.join(backends)}", flush=True)
         if note:
             print(f"halo_exchange: note: {note}", flush=True)
@@ -429,6 +463,9 @@ def parse_args(argv):
                    help="all-reduce the residual every this many iterations (default 20)")
     p.add_argument("--warmup", type=int, default=10,
                    help="untimed iterations per backend before the timed solve (default 10)")
+    p.add_argument("--overlap", action="store_true",
+                   help="post the halos, update the cells that need none while they travel, then "
+                        "wait and update the rest (default: wait, then update every cell)")
     p.add_argument("--seed", type=int, default=2024,
                    help="rank r shuffles its posting order with a generator seeded from seed, r")
     p.add_argument("--nprocs", type=int, default=None,
