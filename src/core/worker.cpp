@@ -185,8 +185,7 @@ Worker::Woke Worker::sleep_until(Clock::time_point end, int other_fd) {
     ~Awake() { until.store(0); }
   } awake{asleep_until_};
   pollfd fds[2] = {pollfd{wake_fd_, POLLIN, 0}, pollfd{other_fd, POLLIN, 0}};
-  const auto timeout = std::max(Clock::duration::zero(),
-                                std::chrono::duration_cast<Clock::duration>(end - Clock::now()));
+  const Clock::duration timeout = std::max(Clock::duration::zero(), end - Clock::now());
   const auto secs = std::chrono::duration_cast<std::chrono::seconds>(timeout);
   const timespec ts{
       static_cast<time_t>(secs.count()),
