@@ -71,7 +71,7 @@ stage_lint() {
 
 stage_cpp() {
   echo "== C++ tests, UCX from the libucx-cu13 wheel (with the torch adapter: its argument checks'"
-  echo "   GoogleTest, test_tensor_checks, needs it)"
+  echo "   GoogleTest, test_tensor_checks and test_list_buffer, need it)"
   scripts/build.sh build -DCOMMUX_UCX_PROVIDER=wheel -DCOMMUX_BUILD_C10D=ON
   run_ctest build
 }

@@ -7,8 +7,9 @@ rank (the collective itself returns at once), "ucx" and the no-op reference back
 Prints, per call kind, the median over rounds of each backend's µs per call and ucx−noop: the
 backend's bookkeeping (Task, Work, future, flight recorder, validation), without any peer or
 transport in the way, so the figure moves little between runs (the two-rank suite's ucx−noop
-swings by microseconds with the VM's placement). The calls are blocking all_reduce, broadcast and
-barrier of 2 float32 elements, and all_reduce(async_op=True).wait().
+swings by microseconds with the VM's placement). The calls are blocking all_reduce, all_gather
+(list), all_gather_into_tensor, all_to_all_single, broadcast and barrier of 2 float32 elements,
+and all_reduce(async_op=True).wait().
 """
 import argparse
 import os
@@ -37,8 +38,12 @@ def main(argv=None):
     dist.init_process_group("ucx", rank=0, world_size=1)
     groups = {"ucx": dist.group.WORLD, "noop": dist.new_group(backend="noop")}
     t = torch.zeros(2)
+    outs, flat = [torch.empty(2)], torch.empty(2)
     kinds = {
         "all_reduce": lambda g: dist.all_reduce(t, group=g),
+        "all_gather (list)": lambda g: dist.all_gather(outs, t, group=g),
+        "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(flat, t, group=g),
+        "all_to_all_single": lambda g: dist.all_to_all_single(flat, t, group=g),
         "broadcast": lambda g: dist.broadcast(t, 0, group=g),
         "barrier": lambda g: dist.barrier(group=g),
         "all_reduce async+wait": lambda g: dist.all_reduce(t, group=g, async_op=True).wait(),

@@ -374,6 +374,112 @@ def test_all_to_all_dtypes(ranks, ws, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# The list forms run one collective over a flat buffer: the list's own memory where its tensors lie
+# back to back in rank order (no copy), else a staging buffer (memcpy for small CPU lists, copy_
+# above 256 KiB per tensor). Each layout below must give the same result:
+#   separate  -- a tensor per rank (staged)
+#   block     -- the rows of one tensor, in order (the list's own memory)
+#   reversed  -- the rows of one tensor, in reverse order (adjacent, but not in rank order: staged)
+#   aliased   -- one block, and the call's other tensor is one of its rows (in place)
+LIST_OPS = ["all_gather", "gather", "scatter", "reduce_scatter", "all_to_all"]
+LAYOUTS = ["separate", "block", "reversed", "aliased"]
+
+
+def _rows(layout, world, count, fill):
+    """A list of `world` float32 tensors of `count` elements laid out as `layout` says, filled from
+    fill(j) (None: a sentinel)."""
+    if layout == "separate":
+        return [fill(j) if fill else fresh(count, "float32") for j in range(world)]
+    whole = torch.full((world, count), 99.0)
+    rows = list(whole.unbind(0))
+    if layout == "reversed":
+        rows = rows[::-1]
+    if fill:
+        for j in range(world):
+            rows[j].copy_(fill(j))
+    return rows
+
+
+def _list_layout(ctx, op, layout, count):
+    W, me = ctx.world, ctx.rank
+    ident = f"{op}, {layout} list, {count} elements"
+    if op == "all_gather":
+        want = [make(r, count, "float32", salt="lag") for r in range(W)]
+        outs = _rows("block" if layout == "aliased" else layout, W, count, None)
+        if layout == "aliased":  # in place: the input is this rank's own row of the output
+            outs[me].copy_(want[me])
+            x = outs[me]
+        else:
+            x = want[me].clone()
+        dist.all_gather(outs, x)
+        for r in range(W):
+            verify(f"{ident}: slot {r}", outs[r], want[r])
+    elif op == "gather":
+        want = [make(r, count, "float32", salt="lga") for r in range(W)]
+        for root in range(W):
+            outs = None
+            x = want[me].clone()
+            if me == root:
+                outs = _rows("block" if layout == "aliased" else layout, W, count, None)
+                if layout == "aliased":
+                    outs[me].copy_(want[me])
+                    x = outs[me]
+            dist.gather(x, gather_list=outs, dst=root)
+            if me == root:
+                for r in range(W):
+                    verify(f"{ident}: to {root}, slot {r}", outs[r], want[r])
+    elif op == "scatter":
+        for root in range(W):
+            chunks = [make(root, count, "float32", salt=f"lsc{j}") for j in range(W)]
+            ins = None
+            out = fresh(count, "float32")
+            if me == root:
+                ins = _rows("block" if layout == "aliased" else layout, W, count, lambda j: chunks[j])
+                if layout == "aliased":  # the root receives into its own row of the list
+                    out = ins[me]
+            dist.scatter(out, scatter_list=ins, src=root)
+            verify(f"{ident}: from {root}", out, chunks[me])
+            if me == root:
+                for j in range(W):
+                    verify(f"{ident}: from {root}, the root's input {j} afterwards", ins[j], chunks[j])
+    elif op == "reduce_scatter":
+        inputs = [[make(r, count, "float32", salt=f"lrs{j}") for j in range(W)] for r in range(W)]
+        want = reduce_all([inputs[r][me] for r in range(W)], "SUM", W)
+        ins = _rows("block" if layout == "aliased" else layout, W, count, lambda j: inputs[me][j])
+        out = ins[me] if layout == "aliased" else fresh(count, "float32")
+        dist.reduce_scatter(out, ins)
+        verify(ident, out, want)
+        for j in range(W):
+            if not (layout == "aliased" and j == me):
+                verify(f"{ident}: input {j} afterwards", ins[j], inputs[me][j])
+    else:  # all_to_all; aliased: the input list is the output list
+        def piece(src, dst):
+            return make(src, count, "float32", salt=f"la2a{dst}")
+        ins = _rows("block" if layout == "aliased" else layout, W, count, lambda j: piece(me, j))
+        outs = ins if layout == "aliased" else _rows(layout, W, count, None)
+        dist.all_to_all(outs, ins)
+        for j in range(W):
+            verify(f"{ident}: from {j}", outs[j], piece(j, me))
+            if layout != "aliased":
+                verify(f"{ident}: input {j} afterwards", ins[j], piece(me, j))
+
+
+@worlds(1, 2, 3)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", LIST_OPS)
+def test_list_layouts(ranks, ws, op, layout):
+    ranks.run(_list_layout, op, layout, 1001, timeout=FAST)
+
+
+@worlds(2)
+@pytest.mark.parametrize("layout", ["separate", "reversed", "block"])
+@pytest.mark.parametrize("op", LIST_OPS)
+def test_list_layouts_large(ranks, ws, op, layout):
+    """Above 256 KiB per tensor a staged list goes through copy_ instead of memcpy."""
+    ranks.run(_list_layout, op, layout, 70000, timeout=FAST)
+
+
+# ---------------------------------------------------------------------------------------------
 COALESCED_SIZES = [1, 1001, 33, 4096]
 
 

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <utility>
 
 #include "commux/collectives.hpp"
@@ -22,6 +23,7 @@
 #include "../core/log.hpp"
 #include "device.hpp"
 #include "errors.hpp"
+#include "list_buffer.hpp"
 #include "process_group_ucx_internal.hpp"
 #include "tensor_checks.hpp"
 #include "torch_compat.hpp"
@@ -38,6 +40,7 @@ using c10d_detail::CoalescedWork;
 using c10d_detail::CollWork;
 using c10d_detail::DeferredWork;
 using c10d_detail::invalid;
+using c10d_detail::ListBuffer;
 using c10d_detail::memory_type_of;
 using c10d_detail::nbytes;
 using c10d_detail::on_device;
@@ -104,12 +107,6 @@ class C10dStore final : public Store {
  private:
   c10::intrusive_ptr<c10d::Store> store_;
 };
-
-// A contiguous tensor's memory as a flat uint8 tensor (same storage).
-at::Tensor byte_view(const at::Tensor& t) {
-  return at::from_blob(t.data_ptr(), {static_cast<int64_t>(nbytes(t))},
-                       at::TensorOptions().dtype(at::kByte).device(t.device()));
-}
 
 // PREMUL_SUM scaling; a device tensor is scaled on the current stream (the backend's, on the
 // worker thread).
@@ -1111,15 +1108,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather(
   const at::Tensor in = single(op, inputs);
   c10d_detail::check_allgather_outputs(op, outputs, in, getSize());
   std::vector<at::Tensor> outs = outputs[0];
+  std::vector<std::size_t> each(outs.size(), nbytes(in));
+  const int rank = getRank();
   return enqueue(c10d::OpType::ALLGATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
-                 [this, in, outs, op](std::uint32_t tag, Clock::time_point dl) {
-                   at::Tensor flat =
-                       at::empty({static_cast<int64_t>(outs.size()) * in.numel()}, in.options());
-                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
-                                   flat.data_ptr());
-                   for (std::size_t i = 0; i < outs.size(); ++i) {
-                     outs[i].view({-1}).copy_(flat.narrow(0, i * in.numel(), in.numel()));
-                   }
+                 [this, in, outs, each, rank, op](std::uint32_t tag, Clock::time_point dl) {
+                   ListBuffer out(outs, each, in, in.data_ptr(), nbytes(in), rank);
+                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in), out.data());
+                   out.unpack();
                  });
 }
 
@@ -1146,17 +1141,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_coalesced(
   for (auto& list : outputs) outs.insert(outs.end(), list.begin(), list.end());
   auto ins = inputs;
   auto outlists = outputs;
+  const int rank = getRank();
   return enqueue(
       c10d::OpType::ALLGATHER_COALESCED, op, opts.timeout, opts.asyncOp, ins, outs,
-      [this, ins, outlists, op](std::uint32_t tag, Clock::time_point dl) {
+      [this, ins, outlists, rank, op](std::uint32_t tag, Clock::time_point dl) {
+        std::vector<at::Tensor> column(outlists.size());
         for (std::size_t i = 0; i < ins.size(); ++i) {
           const at::Tensor& in = ins[i];
-          at::Tensor flat =
-              at::empty({static_cast<int64_t>(outlists.size()) * in.numel()}, in.options());
-          coll::allgather(context(op, tag + i, dl, in), in.data_ptr(), nbytes(in), flat.data_ptr());
-          for (std::size_t r = 0; r < outlists.size(); ++r) {
-            outlists[r][i].view({-1}).copy_(flat.narrow(0, r * in.numel(), in.numel()));
-          }
+          for (std::size_t r = 0; r < outlists.size(); ++r) column[r] = outlists[r][i];
+          const std::vector<std::size_t> each(column.size(), nbytes(in));
+          ListBuffer out(column, each, in, in.data_ptr(), nbytes(in), rank);
+          coll::allgather(context(op, tag + i, dl, in), in.data_ptr(), nbytes(in), out.data());
+          out.unpack();
         }
       },
       static_cast<std::uint32_t>(std::max<std::size_t>(1, ins.size())));
@@ -1191,18 +1187,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(
   const int root = static_cast<int>(opts.rootRank);
   const std::vector<at::Tensor> outs =
       root_list(op, outputs, in, getRank() == root, root, getSize(), "output");
+  const std::vector<std::size_t> each(outs.size(), nbytes(in));
   return enqueue(c10d::OpType::GATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
-                 [this, in, outs, root, op](std::uint32_t tag, Clock::time_point dl) {
-                   at::Tensor flat;
-                   if (!outs.empty()) {
-                     flat =
-                         at::empty({static_cast<int64_t>(outs.size()) * in.numel()}, in.options());
-                   }
+                 [this, in, outs, each, root, op](std::uint32_t tag, Clock::time_point dl) {
+                   std::optional<ListBuffer> out;  // on the root only
+                   if (!outs.empty()) out.emplace(outs, each, in, in.data_ptr(), nbytes(in));
                    coll::gather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
-                                flat.defined() ? flat.data_ptr() : nullptr, root);
-                   for (std::size_t i = 0; i < outs.size(); ++i) {
-                     outs[i].view({-1}).copy_(flat.narrow(0, i * in.numel(), in.numel()));
-                   }
+                                out ? out->data() : nullptr, root);
+                   if (out) out->unpack();
                  });
 }
 
@@ -1216,29 +1208,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
   const int root = static_cast<int>(opts.rootRank);
   const std::vector<at::Tensor> ins =
       root_list(op, inputs, out, getRank() == root, root, getSize(), "input");
+  const std::vector<std::size_t> each(ins.size(), nbytes(out));
   return enqueue(c10d::OpType::SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
-                 [this, ins, out, root, op](std::uint32_t tag, Clock::time_point dl) {
-                   at::Tensor flat;
+                 [this, ins, out, each, root, op](std::uint32_t tag, Clock::time_point dl) {
+                   std::optional<ListBuffer> in;  // on the root only
                    if (!ins.empty()) {
-                     std::vector<at::Tensor> parts;
-                     for (auto& i : ins) parts.push_back(i.reshape({-1}));
-                     flat = at::cat(parts);
+                     in.emplace(ins, each, out, out.data_ptr(), nbytes(out));
+                     in->pack();
                    }
-                   coll::scatter(context(op, tag, dl, out),
-                                 flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
-                                 nbytes(out), root);
+                   coll::scatter(context(op, tag, dl, out), in ? in->data() : nullptr,
+                                 out.data_ptr(), nbytes(out), root);
                  });
 }
 
 namespace {
-// The reduce-scatter body shared by the list and the flat-tensor forms: `in` is owned scratch.
+// The reduce-scatter of `in` (size blocks of out's size and dtype, already scaled) into `out`.
+void reduce_scatter_into(const coll::Context& ctx, const void* in, at::Tensor out,
+                         const Reduction& r, int size) {
+  std::vector<std::size_t> counts(size, static_cast<std::size_t>(out.numel()));
+  coll::reduce_scatter(ctx, in, out.data_ptr(), counts.data(),
+                       to_dtype(ctx.op_name, out.scalar_type()), r.op);
+  if (r.average) apply_average(out, size);
+}
+
+// The reduce-scatter body shared by the list and the flat-tensor forms: `in` is owned scratch
+// where a PREMUL_SUM scales it.
 void run_reduce_scatter(const coll::Context& ctx, at::Tensor in, at::Tensor out, const Reduction& r,
                         int size) {
   apply_scale(in, r.pre_scale);
-  std::vector<std::size_t> counts(size, static_cast<std::size_t>(out.numel()));
-  coll::reduce_scatter(ctx, in.data_ptr(), out.data_ptr(), counts.data(),
-                       to_dtype(ctx.op_name, in.scalar_type()), r.op);
-  if (r.average) apply_average(out, size);
+  reduce_scatter_into(ctx, in.data_ptr(), std::move(out), r, size);
 }
 }  // namespace
 
@@ -1252,11 +1250,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter(
   const Reduction r = to_reduction(op, opts.reduceOp, out.scalar_type());
   auto ins = inputs[0];
   const int size = getSize();
+  const std::vector<std::size_t> each(ins.size(), nbytes(out));
   return enqueue(c10d::OpType::REDUCE_SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
-                 [this, ins, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
-                   std::vector<at::Tensor> parts;
-                   for (auto& i : ins) parts.push_back(i.reshape({-1}));
-                   run_reduce_scatter(context(op, tag, dl, out), at::cat(parts), out, r, size);
+                 [this, ins, out, each, r, size, op](std::uint32_t tag, Clock::time_point dl) {
+                   if (r.pre_scale != 1.0) {  // PREMUL_SUM: scales a copy
+                     std::vector<at::Tensor> parts;
+                     for (auto& i : ins) parts.push_back(i.reshape({-1}));
+                     run_reduce_scatter(context(op, tag, dl, out), at::cat(parts), out, r, size);
+                     return;
+                   }
+                   ListBuffer in(ins, each, out, out.data_ptr(), nbytes(out));
+                   in.pack();
+                   reduce_scatter_into(context(op, tag, dl, out), in.data(), out, r, size);
                  });
 }
 
@@ -1323,37 +1328,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
   const char* op = "alltoall";
   c10d_detail::check_alltoall(op, outputs, inputs, getSize());
   const auto n = static_cast<std::size_t>(getSize());
-  std::vector<std::size_t> sc(n), sd(n), rc(n), rd(n);
-  std::size_t so = 0, ro = 0;
+  std::vector<std::size_t> sc(n), rc(n);
   for (std::size_t i = 0; i < n; ++i) {
     sc[i] = nbytes(inputs[i]);
-    sd[i] = so;
-    so += sc[i];
     rc[i] = nbytes(outputs[i]);
-    rd[i] = ro;
-    ro += rc[i];
   }
   auto ins = inputs;
   auto outs = outputs;
   return enqueue(c10d::OpType::ALLTOALL, op, opts.timeout, opts.asyncOp, ins, outs,
-                 [this, ins, outs, sc, sd, rc, rd, so, ro, op](std::uint32_t tag,
-                                                               Clock::time_point dl) {
-                   // Packed into one send and one receive buffer (bytes), on the tensors' device.
-                   const auto bytes = at::TensorOptions().dtype(at::kByte).device(ins[0].device());
-                   at::Tensor sbuf = at::empty({static_cast<int64_t>(so)}, bytes);
-                   at::Tensor rbuf = at::empty({static_cast<int64_t>(ro)}, bytes);
-                   for (std::size_t i = 0; i < ins.size(); ++i) {
-                     if (sc[i] == 0) continue;
-                     sbuf.narrow(0, static_cast<int64_t>(sd[i]), static_cast<int64_t>(sc[i]))
-                         .copy_(byte_view(ins[i]));
-                   }
-                   coll::alltoallv(context(op, tag, dl, sbuf), sbuf.data_ptr(), sc.data(),
-                                   sd.data(), rbuf.data_ptr(), rc.data(), rd.data());
-                   for (std::size_t i = 0; i < outs.size(); ++i) {
-                     if (rc[i] == 0) continue;
-                     byte_view(outs[i]).copy_(
-                         rbuf.narrow(0, static_cast<int64_t>(rd[i]), static_cast<int64_t>(rc[i])));
-                   }
+                 [this, ins, outs, sc, rc, op](std::uint32_t tag, Clock::time_point dl) {
+                   // Each list as one buffer (bytes): in place where it lies as one block apart
+                   // from the other list, else packed.
+                   const auto [out_at, out_len] = c10d_detail::extent(outs, rc);
+                   const auto [in_at, in_len] = c10d_detail::extent(ins, sc);
+                   ListBuffer send(ins, sc, ins[0], out_at, out_len);
+                   ListBuffer recv(outs, rc, ins[0], in_at, in_len);
+                   send.pack();
+                   coll::alltoallv(context(op, tag, dl, ins[0]), send.data(), sc.data(),
+                                   send.displs().data(), recv.data(), rc.data(),
+                                   recv.displs().data());
+                   recv.unpack();
                  });
 }
 
