@@ -530,6 +530,34 @@ def test_coalesced(ranks, ws, kind_op):
     ranks.run(_coalesced, kind_op[0], kind_op[1] if kind_op[1] != "-" else "SUM", "float32", timeout=FAST)
 
 
+def _coalesced_all_reduce_layout(ctx, layout, op, dtype):
+    """all_reduce of views of one tensor inside a coalescing window (one allreduce_coalesced):
+    in place where the views lie back to back in issue order (block), staged otherwise."""
+    W, me = ctx.world, ctx.rank
+    whole = torch.empty(sum(COALESCED_SIZES), dtype=DTYPES[dtype])
+    if layout == "block":
+        views = list(whole.split(COALESCED_SIZES))
+    else:  # the same views, issued in reverse order of their place in memory
+        views = list(whole.split(COALESCED_SIZES[::-1]))[::-1]
+    for i, (v, n) in enumerate(zip(views, COALESCED_SIZES)):
+        v.copy_(make(me, n, dtype, op, salt=f"cl{i}"))
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for v in views:
+            dist.all_reduce(v, op=red_op(op))
+    cm.wait()
+    for i, (v, n) in enumerate(zip(views, COALESCED_SIZES)):
+        want = reduce_all([make(r, n, dtype, op, salt=f"cl{i}") for r in range(W)], op, W)
+        verify(f"coalesced all_reduce {op} {dtype}, {layout} views, tensor {i}", v, want, exact=op != "AVG")
+
+
+@worlds(1, 2, 3)
+@pytest.mark.parametrize("layout", ["block", "reversed"])
+@pytest.mark.parametrize("op_dtype", [("SUM", "float32"), ("AVG", "float32"), ("PREMUL_SUM", "float64"),
+                                      ("MAX", "int64")], ids=rid)
+def test_coalesced_all_reduce_layouts(ranks, ws, layout, op_dtype):
+    ranks.run(_coalesced_all_reduce_layout, layout, *op_dtype, timeout=FAST)
+
+
 # ---------------------------------------------------------------------------------------------
 def _invalid_reduction(ctx, coll, op, dtype):
     n = 64

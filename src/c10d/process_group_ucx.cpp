@@ -1060,22 +1060,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_coalesced(
   c10d_detail::check_coalesced(op, tensors);
   to_reduction(op, opts.reduceOp, tensors[0].scalar_type());  // validate now, on every rank
   std::vector<at::Tensor> ts = tensors;
+  std::vector<std::size_t> each;
+  int64_t count = 0;
+  for (const auto& t : ts) {
+    each.push_back(nbytes(t));
+    count += t.numel();
+  }
   const int size = getSize();
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, op, opts.timeout, opts.asyncOp, {}, tensors,
-                 [this, ts, op, opts, size](std::uint32_t tag, Clock::time_point dl) {
+                 [this, ts, each, count, op, opts, size](std::uint32_t tag, Clock::time_point dl) {
                    const Reduction red = to_reduction(op, opts.reduceOp, ts[0].scalar_type());
-                   std::vector<at::Tensor> flat_parts;
-                   for (auto& t : ts) flat_parts.push_back(t.reshape({-1}));
-                   at::Tensor flat = at::cat(flat_parts);
-                   apply_scale(flat, red.pre_scale);
-                   coll::allreduce(context(op, tag, dl, flat), flat.data_ptr(), flat.numel(),
-                                   to_dtype(op, flat.scalar_type()), red.op);
-                   if (red.average) apply_average(flat, size);
-                   int64_t off = 0;
-                   for (auto& t : ts) {
-                     t.view({-1}).copy_(flat.narrow(0, off, t.numel()));
-                     off += t.numel();
+                   // One allreduce over the tensors back to back: their own memory where they are, else
+                   // staged (list_buffer.hpp).
+                   ListBuffer buf(ts, each, ts[0], nullptr, 0);
+                   buf.pack();
+                   at::Tensor flat;  // a view of the buffer, for the scaling only
+                   if (red.pre_scale != 1.0 || red.average) {
+                     flat = at::from_blob(buf.data(), {count}, ts[0].options());
                    }
+                   if (red.pre_scale != 1.0) apply_scale(flat, red.pre_scale);
+                   coll::allreduce(context(op, tag, dl, ts[0]), buf.data(),
+                                   static_cast<std::size_t>(count),
+                                   to_dtype(op, ts[0].scalar_type()), red.op);
+                   if (red.average) apply_average(flat, size);
+                   buf.unpack();
                  });
 }
 
