@@ -1074,12 +1074,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_coalesced(
                    // staged (list_buffer.hpp).
                    ListBuffer buf(ts, each, ts[0], nullptr, 0);
                    buf.pack();
-                   at::Tensor flat;  // a view of the buffer, for the scaling only
-                   if (red.pre_scale != 1.0 || red.average) {
-                     flat = at::from_blob(buf.data(), {count}, ts[0].options());
-                   }
-                   if (red.pre_scale != 1.0) apply_scale(flat, red.pre_scale);
-                   coll::allreduce(context(op, tag, dl, ts[0]), buf.data(),
+                   // A view of the buffer: scaled in place, and how errors describe the call.
+                   at::Tensor flat =
+                       count > 0 ? at::from_blob(buf.data(), {count}, ts[0].options()) : ts[0];
+                   apply_scale(flat, red.pre_scale);
+                   coll::allreduce(context(op, tag, dl, flat), buf.data(),
                                    static_cast<std::size_t>(count),
                                    to_dtype(op, ts[0].scalar_type()), red.op);
                    if (red.average) apply_average(flat, size);
