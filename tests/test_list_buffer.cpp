@@ -97,11 +97,13 @@ TEST(ListBuffer, UnevenAndEmptyElementsKeepTheirPlaces) {
   EXPECT_EQ(f[3], 7.0F);
 }
 
-TEST(ListBuffer, AFinishedCallsStagingIsReusedByTheNext) {
+TEST(ListBuffer, AFinishedCallsStagingIsReusedByTheNextAndAFailedOnesIsNot) {
+  constexpr std::size_t kBig = 2 << 20;  // above what the earlier tests left kept
   const std::vector<at::Tensor> list = {at::ones({1 << 20}, at::kByte),
                                         at::ones({1 << 20}, at::kByte)};
   const auto bytes = sizes_of(list);
   const at::Tensor other = at::zeros({1}, at::kFloat);
+  ASSERT_LT(cd::kept_staging_bytes(), kBig);
   void* first = nullptr;
   {
     cd::ListBuffer a(list, bytes, other, other.data_ptr(), 4);
@@ -109,9 +111,21 @@ TEST(ListBuffer, AFinishedCallsStagingIsReusedByTheNext) {
     EXPECT_NE(a.data(), b.data());
     first = a.data();
     a.pack();  // above 256 KiB per element: copy_
-    EXPECT_EQ(static_cast<const unsigned char*>(a.data())[(2 << 20) - 1], 1);
+    EXPECT_EQ(static_cast<const unsigned char*>(a.data())[kBig - 1], 1);
+    a.done();  // b's call failed
   }
-  cd::ListBuffer c(list, bytes, other, other.data_ptr(), 4);
-  cd::ListBuffer d(list, bytes, other, other.data_ptr(), 4);
-  EXPECT_TRUE(c.data() == first || d.data() == first);
+  EXPECT_GE(cd::kept_staging_bytes(), kBig);
+  EXPECT_LT(cd::kept_staging_bytes(), 2 * kBig) << "the failed call's buffer was kept";
+  {
+    cd::ListBuffer c(list, bytes, other, other.data_ptr(), 4);
+    EXPECT_EQ(c.data(), first);
+    EXPECT_LT(cd::kept_staging_bytes(), kBig);  // taken
+    // c's call fails too
+  }
+  EXPECT_LT(cd::kept_staging_bytes(), kBig);
+  {
+    cd::ListBuffer d(list, bytes, other, other.data_ptr(), 4);
+    d.unpack();  // as done()
+  }
+  EXPECT_GE(cd::kept_staging_bytes(), kBig);
 }

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <mutex>
 
 namespace commux::c10d_detail {
@@ -81,6 +80,14 @@ void give_host(std::unique_ptr<std::byte[]> buf, std::size_t bytes) noexcept {
 
 }  // namespace
 
+std::size_t kept_staging_bytes() noexcept {
+  Kept& k = kept();
+  std::lock_guard<std::mutex> g(k.mu);
+  std::size_t sum = 0;
+  for (std::size_t i = 0; i < kKeepCount; ++i) sum += k.buf[i] ? k.bytes[i] : 0;
+  return sum;
+}
+
 bool overlaps(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
   if (an == 0 || bn == 0) return false;
   const auto pa = reinterpret_cast<std::uintptr_t>(a);
@@ -104,7 +111,7 @@ std::pair<const void*, std::size_t> extent(const std::vector<at::Tensor>& list,
 
 ListBuffer::ListBuffer(const std::vector<at::Tensor>& list, const std::vector<std::size_t>& bytes,
                        const at::Tensor& like, const void* other, std::size_t other_bytes, int own)
-    : list_(list), bytes_(bytes), displs_(list.size()), uncaught_(std::uncaught_exceptions()) {
+    : list_(list), bytes_(bytes), displs_(list.size()) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < list.size(); ++i) {
     displs_[i] = total;
@@ -143,9 +150,7 @@ ListBuffer::ListBuffer(const std::vector<at::Tensor>& list, const std::vector<st
 }
 
 ListBuffer::~ListBuffer() {
-  // After a failed call the buffer is freed, not kept: a transfer the call could not cancel in
-  // time may still land in it.
-  if (host_ && std::uncaught_exceptions() == uncaught_) give_host(std::move(host_), host_bytes_);
+  if (host_ && done_) give_host(std::move(host_), host_bytes_);
 }
 
 void ListBuffer::copy(std::size_t i, bool in) {
@@ -167,6 +172,7 @@ void ListBuffer::pack() {
 }
 
 void ListBuffer::unpack() {
+  done();
   if (in_place_) return;
   for (std::size_t i = 0; i < list_.size(); ++i) copy(i, false);
 }

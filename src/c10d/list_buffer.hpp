@@ -40,7 +40,11 @@ class ListBuffer {
   bool in_place() const noexcept { return in_place_; }
 
   void pack();    // the list's tensors into the buffer
-  void unpack();  // the buffer into the list's tensors
+  void unpack();  // the buffer into the list's tensors, after the call succeeded (as done())
+  // The call succeeded: nothing uses the buffer any more, so the process may keep it for the next
+  // call. Without it (the call threw) the buffer is freed: a transfer the call could not cancel
+  // in time may still land in it.
+  void done() noexcept { done_ = true; }
 
  private:
   void copy(std::size_t i, bool in);  // element i into the buffer (in) or out of it
@@ -48,7 +52,7 @@ class ListBuffer {
   const std::vector<at::Tensor>& list_;
   const std::vector<std::size_t>& bytes_;
   std::vector<std::size_t> displs_;
-  int uncaught_;  // std::uncaught_exceptions() when made
+  bool done_ = false;
   void* data_ = nullptr;
   bool in_place_ = false;
   std::unique_ptr<std::byte[]> host_;  // CPU staging (kept for the next call when done)
@@ -58,6 +62,9 @@ class ListBuffer {
 
 // Where [a, a + an) and [b, b + bn) share a byte (an empty range shares none).
 bool overlaps(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept;
+
+// The bytes of host staging the process keeps for later calls (tests, diagnostics).
+std::size_t kept_staging_bytes() noexcept;
 
 // The bytes from the first to the end of the last non-empty element of a list (as ListBuffer's
 // `other`); {nullptr, 0} where all are empty.

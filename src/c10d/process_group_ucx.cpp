@@ -1225,6 +1225,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
                    }
                    coll::scatter(context(op, tag, dl, out), in ? in->data() : nullptr,
                                  out.data_ptr(), nbytes(out), root);
+                   if (in) in->done();
                  });
 }
 
@@ -1269,6 +1270,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter(
                    ListBuffer in(ins, each, out, out.data_ptr(), nbytes(out));
                    in.pack();
                    reduce_scatter_into(context(op, tag, dl, out), in.data(), out, r, size);
+                   in.done();
                  });
 }
 
@@ -1354,6 +1356,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
                    coll::alltoallv(context(op, tag, dl, ins[0]), send.data(), sc.data(),
                                    send.displs().data(), recv.data(), rc.data(),
                                    recv.displs().data());
+                   send.done();
                    recv.unpack();
                  });
 }
