@@ -22,14 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.lib.launch import launch_ranks  # noqa: E402
+from bench.lib.sizes import parse_size, size_name  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all")
 FORMS = ("flat", "list: tensor per rank", "list: rows of one tensor")
-
-
-def parse_size(text):
-    units = {"K": 1 << 10, "M": 1 << 20}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def run_rank(job):
@@ -135,7 +131,7 @@ def main():
                     med[form] = statistics.median(
                         max(results[r]["times"][key][i] for r in results) for i in range(a.rounds)) * 1e6
                 flat = med["flat"]
-                print(f"| {op} | {size} B | {backend} | {flat:.1f} | {med[FORMS[1]]:.1f} | "
+                print(f"| {op} | {size_name(size)} | {backend} | {flat:.1f} | {med[FORMS[1]]:.1f} | "
                       f"{med[FORMS[2]]:.1f} | {med[FORMS[1]] / flat:.2f} | {med[FORMS[2]] / flat:.2f} |")
     wrong = sum(r["wrong"] for r in results.values())
     print(f"#wrong: {wrong}")
