@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -623,4 +624,60 @@ TEST(YieldGate, ASlowYieldStopsYieldingForAWhile) {
   EXPECT_TRUE(g.open(back + YieldGate::kOffFor));  // probes again
   EXPECT_TRUE(g.record(back + YieldGate::kOffFor, back + YieldGate::kOffFor + microseconds(2)));
   EXPECT_TRUE(g.open(back + YieldGate::kOffFor + microseconds(2)));
+}
+
+// A large post that lands between the progress thread's look at what is in flight and its
+// arming for a long sleep found the flag down and signalled nothing; the sleep then ran to its
+// end (up to 10 ms) with the transfer unmoved. Now arm() sees the post and says so.
+TEST(LongSleepFlag, APostBetweenTheLookAndTheArmingIsNotMissed) {
+  commux::detail::LongSleepFlag f;
+  const std::uint64_t seen = f.posts();  // the look
+  EXPECT_FALSE(f.posted());              // the post: nothing armed, so it signals nothing...
+  EXPECT_TRUE(f.arm(seen));              // ...and the sleep must act on it without sleeping
+  f.disarm();
+  // A post after the arming takes the flag and signals; arm() had nothing to act on.
+  const std::uint64_t seen2 = f.posts();
+  EXPECT_FALSE(f.arm(seen2));
+  EXPECT_TRUE(f.posted());
+  EXPECT_FALSE(f.posted());  // once per sleep
+  f.disarm();
+  // No post: nothing acts.
+  EXPECT_FALSE(f.arm(f.posts()));
+  f.disarm();
+  EXPECT_FALSE(f.posted());
+}
+
+// The post and the arming on two threads, in every order the scheduler gives: exactly one of
+// them acts, every round (none: a missed wake-up, the bug above; both: a wake-up too many).
+TEST(LongSleepFlag, ExactlyOneSideActsWhateverTheInterleaving) {
+  commux::detail::LongSleepFlag f;
+  constexpr int kRounds = 20000;
+  std::atomic<int> go{0};    // the round the poster may run
+  std::atomic<int> done{0};  // the rounds the poster has finished
+  std::vector<char> post_acted(kRounds, 0);
+  std::thread poster([&] {
+    for (int r = 0; r < kRounds; ++r) {
+      while (go.load() <= r) std::this_thread::yield();
+      for (volatile int i = 0; i < (r * 7) % 400; i = i + 1) {
+      }
+      post_acted[r] = f.posted() ? 1 : 0;
+      done.store(r + 1);
+    }
+  });
+  int wrong = 0;
+  int posts_acted = 0;
+  for (int r = 0; r < kRounds; ++r) {
+    const std::uint64_t seen = f.posts();
+    go.store(r + 1);
+    for (volatile int i = 0; i < (r * 5) % 1100; i = i + 1) {  // the poster's wake-up: ~1 us
+    }
+    const bool arm_acted = f.arm(seen);
+    while (done.load() <= r) std::this_thread::yield();
+    f.disarm();
+    posts_acted += post_acted[r];
+    if (static_cast<int>(arm_acted) + post_acted[r] != 1) ++wrong;
+  }
+  poster.join();
+  EXPECT_EQ(wrong, 0) << "of " << kRounds << " rounds";
+  std::printf("the post acted in %d of %d rounds, the arming in the rest\n", posts_acted, kRounds);
 }

@@ -11,13 +11,14 @@
 // of seconds settles at one poll per long cap. (At a 250 us cap, a post held for 3 s cost 7% of a
 // core on a slow VM; at 1 ms it costs about a quarter of that.)
 // YieldGate, below, decides the same kind of question for a spinning waiter: whether yielding
-// the CPU pays.
+// the CPU pays, and LongSleepFlag whether a post must wake the progress thread from a long sleep.
 // Internal to commux (src/core, and src/c10d's device fences). Torch-free and UCX-free.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 
 namespace commux::detail {
 
@@ -102,6 +103,39 @@ class YieldGate {
 
  private:
   std::atomic<Clock::rep> shut_until_{0};
+};
+
+// Whether a post above Worker::kBackgroundBytes must cut the progress thread's long sleep short
+// (Worker::wake_for_background_locked). The thread looks at what is in flight, decides to sleep
+// long, and arms; a post that lands between that look and the arming finds the flag down and
+// signals nothing, and the sleep ran to its end (up to 10 ms) with the transfer unmoved unless its
+// caller waited. So each side announces itself before it looks at the other (Dekker's pattern:
+// sequentially consistent atomics): a post counts itself, then reads the flag; the sleeper raises
+// the flag, then reads the count. At least one of them sees the other, and the flag's exchange
+// lets exactly one act: the post signals the eventfd, or arm() tells the sleeper to treat the post
+// as that signal. Once per sleep, as before.
+class LongSleepFlag {
+ public:
+  // The count of posts so far: read at the look that precedes a sleep, and handed to arm().
+  std::uint64_t posts() const noexcept { return posts_.load(); }
+  // A post: true when it must wake the sleeper (it took the flag).
+  bool posted() noexcept {
+    posts_.fetch_add(1);
+    // (Read first: raised only around long sleeps, so a post costs next to nothing meanwhile.)
+    return armed_.load() && armed_.exchange(false);
+  }
+  // Before a long sleep whose look read `seen`: raises the flag; true when a post came since the
+  // look that took no flag (nothing will signal it: act as if signalled, without sleeping first).
+  bool arm(std::uint64_t seen) noexcept {
+    armed_.store(true);
+    return posts_.load() != seen && armed_.exchange(false);
+  }
+  // After the sleep (a post that took the flag meanwhile has signalled, or is about to).
+  void disarm() noexcept { armed_.store(false, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::uint64_t> posts_{0};
+  std::atomic<bool> armed_{false};
 };
 
 }  // namespace commux::detail

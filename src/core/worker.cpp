@@ -171,11 +171,7 @@ void Worker::wake_if_asleep(std::chrono::microseconds late) noexcept {
 }
 
 void Worker::wake_for_background_locked() noexcept {
-  // (Read first: written only around the progress thread's long sleeps, so this costs a post
-  // next to nothing in the common case.)
-  if (long_sleep_.load(std::memory_order_relaxed) && long_sleep_.exchange(false)) {
-    signal(kBackgroundCount);
-  }
+  if (long_sleep_.posted()) signal(kBackgroundCount);
 }
 
 Worker::Woke Worker::sleep_until(Clock::time_point end, int other_fd) {
@@ -200,23 +196,29 @@ Worker::Woke Worker::sleep_until(Clock::time_point end, int other_fd) {
   return r > 0 ? Woke::kFd : Woke::kTimeout;
 }
 
-bool Worker::wait_for_kick(std::chrono::microseconds timeout, int other_fd) {
+bool Worker::wait_for_kick(std::chrono::microseconds timeout, int other_fd, std::uint64_t posts) {
   const auto end = Clock::now() + timeout;
   // A post may cut a long sleep short (once per sleep: a caller that waits for what it posted
-  // costs one wake-up per sleep at most).
+  // costs one wake-up per sleep at most), and so may one that came since the look.
   struct LongSleep {
-    std::atomic<bool>& flag;
-    ~LongSleep() { flag.store(false, std::memory_order_relaxed); }
+    LongSleepFlag& flag;
+    ~LongSleep() { flag.disarm(); }
   } long_sleep{long_sleep_};
-  if (timeout > kBackgroundLate) long_sleep_.store(true, std::memory_order_relaxed);
+  bool posted = timeout > kBackgroundLate && long_sleep_.arm(posts);
   for (;;) {
-    Woke woke = sleep_until(end, other_fd);
+    Woke woke = posted ? Woke::kBackground : sleep_until(end, other_fd);
+    posted = false;
     if (woke != Woke::kBackground) return woke == Woke::kKick;
     // A transfer above kBackgroundBytes was posted while nobody spun. A caller that goes on to
     // wait for it progresses the worker itself within kBackgroundGrace: then sleep on. One that
     // computes instead leaves it to this thread: return as kicked (no more parking, poll).
+    // (A background wake-up meanwhile is stale, from a post that took an earlier sleep's flag:
+    // the grace goes on.)
     const std::uint64_t mark = user_progress_.load(std::memory_order_relaxed);
-    woke = sleep_until(std::min(end, Clock::now() + kBackgroundGrace), other_fd);
+    const auto grace_end = std::min(end, Clock::now() + kBackgroundGrace);
+    do {
+      woke = sleep_until(grace_end, other_fd);
+    } while (woke == Woke::kBackground && Clock::now() < grace_end);
     if (woke == Woke::kKick) return true;
     if (woke == Woke::kFd) return false;
     if (inflight_large_.load() > 0 && spinners_.load() == 0 &&
@@ -267,6 +269,9 @@ void Worker::progress_thread_main() {
     // (parked_ is set before spinners_ is read, so a spinner that stops after this read sees it
     // and kicks.)
     parked_.store(true);
+    // (Read before what is in flight: a large post that this misses is seen by the sleep's
+    // arming, LongSleepFlag.)
+    const std::uint64_t posts = long_sleep_.posts();
     const bool spinning = spinners_.load() > 0;
     const std::uint64_t progressed = user_progress_.load(std::memory_order_relaxed);
     // A user thread is progressing: stay off the CPU until it stops (or 10 ms pass). User
@@ -286,7 +291,7 @@ void Worker::progress_thread_main() {
         park = recent_park;
         recent_park = std::min(recent_park * 2, kSpinnerPark);
       }
-      kicked = wait_for_kick(park, -1);
+      kicked = wait_for_kick(park, -1, posts);
       parked_.store(false);
       idle = kMinIdle;
       continue;
@@ -338,12 +343,12 @@ void Worker::progress_thread_main() {
       }
       if (holding) {
         idle = grow_nap(idle, held_cap);
-        if (wait_for_kick(idle, efd_)) idle = kMinIdle;
+        if (wait_for_kick(idle, efd_, posts)) idle = kMinIdle;
         continue;
       }
       // Event mode: sleep until the worker's fd fires; wake at least every 10 ms while work is in
       // flight (transports whose pending queues raise no event, keepalive).
-      wait_for_kick(std::chrono::milliseconds(in_flight ? 10 : 100), efd_);
+      wait_for_kick(std::chrono::milliseconds(in_flight ? 10 : 100), efd_, posts);
       continue;
     }
     if (n > 0) {
@@ -357,7 +362,7 @@ void Worker::progress_thread_main() {
                      : in_flight ? std::chrono::microseconds(2000)
                                  : std::chrono::microseconds(20000);
     idle = grow_nap(idle, cap);
-    if (wait_for_kick(idle, -1)) {
+    if (wait_for_kick(idle, -1, posts)) {
       idle = kMinIdle;
       active = Clock::now();
     }

@@ -160,8 +160,9 @@ class Worker {
   bool wait_on_progress_thread(Op& op, std::chrono::steady_clock::time_point deadline);
   // Sleeps until kick() (true), `timeout`, or `other_fd` (if >= 0) becomes readable; a
   // background wake-up (wake_for_background_locked) counts as a kick once kBackgroundGrace has
-  // shown that nobody progresses the worker.
-  bool wait_for_kick(std::chrono::microseconds timeout, int other_fd);
+  // shown that nobody progresses the worker. `posts`: long_sleep_.posts() as of the look that
+  // decided to sleep (a post since then cuts a long sleep short too).
+  bool wait_for_kick(std::chrono::microseconds timeout, int other_fd, std::uint64_t posts);
   enum class Woke : std::uint8_t { kTimeout, kKick, kBackground, kFd };
   // One sleep of the progress thread, until `end` at the latest: what ended it.
   Woke sleep_until(std::chrono::steady_clock::time_point end, int other_fd);
@@ -194,9 +195,10 @@ class Worker {
   std::atomic<int> inflight_large_{0};
   static constexpr std::chrono::microseconds kBackgroundLate{1000};
   static constexpr std::chrono::microseconds kBackgroundGrace{50};
-  // The progress thread sleeps longer than kBackgroundLate, and no post has cut this sleep short
-  // (wake_for_background_locked).
-  std::atomic<bool> long_sleep_{false};
+  // Raised while the progress thread sleeps longer than kBackgroundLate and no post has cut this
+  // sleep short (wake_for_background_locked); it also counts those posts, so that one landing
+  // between the thread's look and its sleep is not missed (backoff.hpp).
+  LongSleepFlag long_sleep_;
   std::atomic<int> held_{0};
   static constexpr std::chrono::microseconds kHeldPoll = kEventPollCap;
   static constexpr std::chrono::microseconds kHeldPollLong = kEventPollLongCap;
