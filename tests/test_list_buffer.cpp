@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "list_buffer.hpp"
@@ -128,4 +129,26 @@ TEST(ListBuffer, AFinishedCallsStagingIsReusedByTheNextAndAFailedOnesIsNot) {
     d.unpack();  // as done()
   }
   EXPECT_GE(cd::kept_staging_bytes(), kBig);
+}
+
+// The kept staging is the process's until its last group goes (destroy_process_group()): then
+// it is freed. Before, up to 128 MiB stayed for the life of the process.
+TEST(ListBuffer, TheLastGroupToGoFreesTheKeptStaging) {
+  constexpr std::size_t kBig = 2 << 20;
+  const std::vector<at::Tensor> list = {at::ones({1 << 20}, at::kByte),
+                                        at::ones({1 << 20}, at::kByte)};
+  const auto bytes = sizes_of(list);
+  const at::Tensor other = at::zeros({1}, at::kFloat);
+  auto first = std::make_unique<cd::KeptStagingUser>();
+  {
+    cd::KeptStagingUser second;
+    {
+      cd::ListBuffer a(list, bytes, other, other.data_ptr(), 4);
+      a.done();
+    }
+    EXPECT_GE(cd::kept_staging_bytes(), kBig);
+  }
+  EXPECT_GE(cd::kept_staging_bytes(), kBig) << "freed while a group was left";
+  first.reset();
+  EXPECT_EQ(cd::kept_staging_bytes(), 0U);
 }

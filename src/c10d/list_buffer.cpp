@@ -33,6 +33,7 @@ struct Kept {
   std::mutex mu;
   std::unique_ptr<std::byte[]> buf[kKeepCount];
   std::size_t bytes[kKeepCount] = {};
+  int users = 0;  // KeptStagingUser
 };
 
 Kept& kept() {
@@ -86,6 +87,23 @@ std::size_t kept_staging_bytes() noexcept {
   std::size_t sum = 0;
   for (std::size_t i = 0; i < kKeepCount; ++i) sum += k.buf[i] ? k.bytes[i] : 0;
   return sum;
+}
+
+KeptStagingUser::KeptStagingUser() noexcept {
+  Kept& k = kept();
+  std::lock_guard<std::mutex> g(k.mu);
+  ++k.users;
+}
+
+KeptStagingUser::~KeptStagingUser() {
+  std::unique_ptr<std::byte[]> freed[kKeepCount];  // freed after the lock is let go
+  Kept& k = kept();
+  std::lock_guard<std::mutex> g(k.mu);
+  if (--k.users > 0) return;
+  for (std::size_t i = 0; i < kKeepCount; ++i) {
+    freed[i] = std::move(k.buf[i]);
+    k.bytes[i] = 0;
+  }
 }
 
 bool overlaps(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {

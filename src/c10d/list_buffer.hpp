@@ -66,6 +66,17 @@ bool overlaps(const void* a, std::size_t an, const void* b, std::size_t bn) noex
 // The bytes of host staging the process keeps for later calls (tests, diagnostics).
 std::size_t kept_staging_bytes() noexcept;
 
+// Held by each process group (ProcessGroupUCX::Impl): when the last one goes, the host staging
+// the process keeps is freed, so that a program done with its groups (destroy_process_group())
+// gets that memory (up to 128 MiB) back.
+class KeptStagingUser {
+ public:
+  KeptStagingUser() noexcept;
+  ~KeptStagingUser();
+  KeptStagingUser(const KeptStagingUser&) = delete;
+  KeptStagingUser& operator=(const KeptStagingUser&) = delete;
+};
+
 // The bytes from the first to the end of the last non-empty element of a list (as ListBuffer's
 // `other`); {nullptr, 0} where all are empty.
 std::pair<const void*, std::size_t> extent(const std::vector<at::Tensor>& list,

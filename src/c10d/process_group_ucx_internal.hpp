@@ -34,6 +34,7 @@
 #include "commux/process_group_ucx.hpp"
 #include "device.hpp"
 #include "flight_recorder.hpp"
+#include "list_buffer.hpp"
 #include "pool.hpp"
 #include "watcher.hpp"
 #include "work.hpp"
@@ -56,6 +57,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // How long shutdown() waits, beyond the communicator's shutdown timeout, for the group's threads
   // to leave it (a collective whose requests were cancelled, a future's callbacks).
   static constexpr std::chrono::seconds kDrainGrace{5};
+
+  // (First: it goes last, freeing the process's kept list staging if this was the last group.)
+  c10d_detail::KeptStagingUser staging_user_;
 
   Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
        std::chrono::milliseconds timeout, std::string name, std::string group_name);
