@@ -1324,7 +1324,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(
   c10d_detail::split_bytes(op, "output", output, outputSplitSizes, getSize(), rc, rd);
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::ALLTOALL_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
-                 [this, in, out, sc, sd, rc, rd, op](std::uint32_t tag, Clock::time_point dl) {
+                 [this, in, out, sc = std::move(sc), sd = std::move(sd), rc = std::move(rc),
+                  rd = std::move(rd), op](std::uint32_t tag, Clock::time_point dl) {
                    coll::alltoallv(context(op, tag, dl, in), in.data_ptr(), sc.data(), sd.data(),
                                    out.data_ptr(), rc.data(), rd.data());
                  });
