@@ -180,6 +180,15 @@ TEST(TensorChecks, SplitSizes) {
                                    displs);
                  }),
                  "alltoall_base", "input split sizes add up to 5 but the tensor has 4 rows");
+  // Entries that add up to 2^64 + 4, which wraps around to the 4 rows: before, accepted, with
+  // 2^63 bytes for rank 0.
+  constexpr int64_t kHuge = int64_t{3} << 61;
+  expect_message(refusal([&] {
+                   cd::split_bytes("alltoall_base", "input", f32(4),
+                                   {kHuge, kHuge, int64_t{1} << 62, 4}, 4, counts, displs);
+                 }),
+                 "alltoall_base",
+                 "input split size 6917529027641081856 (for rank 0) exceeds the tensor's 4 rows");
   expect_message(refusal([&] {
                    cd::split_bytes("alltoall_base", "input", at::ones({}), {}, 4, counts, displs);
                  }),

@@ -65,6 +65,8 @@ CASES = {
     "all_to_all_single rows not divisible": (
         "alltoall_base", "input has 3 rows, not divisible by the group size 2; pass split sizes"),
     "all_to_all_single negative split": ("alltoall_base", "input split sizes contain a negative entry"),
+    "all_to_all_single split beyond the rows": (
+        "alltoall_base", "input split size 4611686018427387908 (for rank 0) exceeds the tensor's 4 rows"),
     # types.cpp: the dtype table, the ReduceOp table and core's check_reduction behind it
     "reduction of an unsupported dtype": ("allreduce", "dtype UInt16 is not supported for reductions"),
     "AVG of integers": ("allreduce", "ReduceOp AVG needs a floating-point or complex tensor, got int32 "
@@ -120,6 +122,9 @@ def _calls(ctx):
         "all_to_all_single rows not divisible": lambda: dist.all_to_all_single(torch.zeros(3), torch.ones(3)),
         "all_to_all_single negative split": lambda: dist.all_to_all_single(
             torch.zeros(4), torch.ones(4), output_split_sizes=[2, 2], input_split_sizes=[5, -1]),
+        "all_to_all_single split beyond the rows": lambda: dist.all_to_all_single(
+            torch.zeros(4), torch.ones(4), output_split_sizes=[4] + [0] * (W - 1),
+            input_split_sizes=[2**62 + 4] + [0] * (W - 1)),
         "reduction of an unsupported dtype": lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16)),
         "AVG of integers": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG),
         "bitwise op on floats": lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND),

@@ -197,23 +197,32 @@ void split_bytes(const char* op, const char* which, const at::Tensor& t,
   if (t.dim() == 0) invalid(op, std::string(which) + " must have at least one dimension");
   const int64_t rows = t.size(0);
   const std::size_t row_bytes = rows == 0 ? 0 : nbytes(t) / rows;
-  std::vector<int64_t> s = splits;
-  if (s.empty()) {
-    if (rows % size != 0) {
-      invalid(op, std::string(which) + " has " + std::to_string(rows) +
-                      " rows, not divisible by the group size " + std::to_string(size) +
-                      "; pass split sizes");
-    }
-    s.assign(size, rows / size);
+  // (No copy of `splits`: an alltoall_base call is a few microseconds, a heap allocation a
+  // noticeable part of that.)
+  const bool even = splits.empty();
+  if (even && rows % size != 0) {
+    invalid(op, std::string(which) + " has " + std::to_string(rows) +
+                    " rows, not divisible by the group size " + std::to_string(size) +
+                    "; pass split sizes");
   }
-  if (s.size() != static_cast<std::size_t>(size)) {
-    invalid(op, std::string(which) + " split sizes have " + std::to_string(s.size()) +
+  if (!even && splits.size() != static_cast<std::size_t>(size)) {
+    invalid(op, std::string(which) + " split sizes have " + std::to_string(splits.size()) +
                     " entries but the group has " + std::to_string(size) + " ranks");
   }
+  const auto rows_of = [&](int i) { return even ? rows / size : splits[i]; };
+  for (int i = 0; i < size; ++i) {
+    if (rows_of(i) < 0) invalid(op, std::string(which) + " split sizes contain a negative entry");
+  }
   int64_t sum = 0;
-  for (auto v : s) {
-    if (v < 0) invalid(op, std::string(which) + " split sizes contain a negative entry");
-    sum += v;
+  for (int i = 0; i < size; ++i) {
+    // (Each at most the rows, so that the sum cannot wrap around to the rows: entries near 2^62
+    // once did, and the byte counts overran the tensor.)
+    if (rows_of(i) > rows) {
+      invalid(op, std::string(which) + " split size " + std::to_string(rows_of(i)) + " (for rank " +
+                      std::to_string(i) + ") exceeds the tensor's " + std::to_string(rows) +
+                      " rows");
+    }
+    sum += rows_of(i);
   }
   if (sum != rows) {
     invalid(op, std::string(which) + " split sizes add up to " + std::to_string(sum) +
@@ -223,7 +232,7 @@ void split_bytes(const char* op, const char* which, const at::Tensor& t,
   displs.resize(size);
   std::size_t off = 0;
   for (int i = 0; i < size; ++i) {
-    counts[i] = static_cast<std::size_t>(s[i]) * row_bytes;
+    counts[i] = static_cast<std::size_t>(rows_of(i)) * row_bytes;
     displs[i] = off;
     off += counts[i];
   }
