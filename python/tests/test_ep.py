@@ -488,6 +488,24 @@ def test_local_errors(ranks, ws):
         assert r2["type"] == "ValueError" and mentions(r2["msg"], "enable_shrink")
 
 
+def _lane_bounds(ctx):
+    # An offset plus a capacity near 2^63 wrapped around to a negative sum, which passed the
+    # check against the receive buffer's size: a peer's bytes would have landed 2^62 bytes away.
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    W, huge = ctx.world, 3 << 61
+    send, recv = torch.zeros(0, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+    return expect_raises(lambda: pg._exchange_lanes(
+        "ep_lanes", [send], [[0] * W], [recv], [[huge] + [0] * (W - 1)], [[huge] + [8] * (W - 1)], 5000))
+
+
+@worlds(2)
+def test_lane_sizes_beyond_the_buffer_are_refused(ranks, ws):
+    for r in ranks.run(_lane_bounds, timeout=FAST):
+        assert r["type"] == "ValueError", f"{r['type']}: {r['msg']}"
+        assert mentions(r["msg"], "commux ep_lanes", "recv_capacity[0] is 6917529027641081856",
+                        "beyond the buffer's 16 bytes"), r["msg"]
+
+
 def _under_detail_wrapper(ctx):
     """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend; the Buffer must still use commux's own
     exchange (the wrapped backend), with the right result."""

@@ -40,8 +40,11 @@ namespace {
   c10d_detail::throw_value_error("commux " + op + ": " + what);
 }
 
+// The sum of `bytes`, one entry per rank, each in 0 .. `limit` (the buffer's bytes: so that
+// neither the sum nor an offset plus a capacity can wrap around int64 into a plausible value, as
+// entries near 2^62 once did).
 std::int64_t checked_total(const std::string& op, const std::vector<std::int64_t>& bytes,
-                           const char* what, int size) {
+                           const char* what, int size, std::int64_t limit) {
   if (static_cast<int>(bytes.size()) != size) {
     bad(op, std::string(what) + " has " + std::to_string(bytes.size()) +
                 " entries, the group has " + std::to_string(size) + " ranks");
@@ -49,6 +52,10 @@ std::int64_t checked_total(const std::string& op, const std::vector<std::int64_t
   std::int64_t total = 0;
   for (std::size_t p = 0; p < bytes.size(); ++p) {
     if (bytes[p] < 0) bad(op, std::string(what) + "[" + std::to_string(p) + "] is negative");
+    if (bytes[p] > limit) {
+      bad(op, std::string(what) + "[" + std::to_string(p) + "] is " + std::to_string(bytes[p]) +
+                  ", beyond the buffer's " + std::to_string(limit) + " bytes");
+    }
     total += bytes[p];
   }
   return total;
@@ -82,9 +89,10 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
       }
       all.push_back(*t);
     }
-    const std::int64_t send_total = checked_total(op, send_bytes[l], "send_bytes", size);
-    checked_total(op, recv_capacity[l], "recv_capacity", size);
-    checked_total(op, recv_offsets[l], "recv_offsets", size);
+    const std::int64_t send_total =
+        checked_total(op, send_bytes[l], "send_bytes", size, sends[l].numel());
+    checked_total(op, recv_capacity[l], "recv_capacity", size, recvs[l].numel());
+    checked_total(op, recv_offsets[l], "recv_offsets", size, recvs[l].numel());
     if (send_total != sends[l].numel()) {
       bad(op, "send_bytes add up to " + std::to_string(send_total) +
                   " bytes, the send buffer holds " + std::to_string(sends[l].numel()));
