@@ -479,6 +479,26 @@ def test_list_layouts_large(ranks, ws, op, layout):
     ranks.run(_list_layout, op, layout, 70000, timeout=FAST)
 
 
+def _all_to_all_single_in_place(ctx, count):
+    W, me = ctx.world, ctx.rank
+
+    def block(src, dst):
+        return make(src, count, "float32", salt=f"ip{dst}")
+
+    t = torch.cat([block(me, j) for j in range(W)])
+    dist.all_to_all_single(t, t)
+    for j in range(W):
+        verify(f"in place, {count} per block: from {j}", t[j * count:(j + 1) * count], block(j, me))
+
+
+@worlds(1, 2, 3)
+@pytest.mark.parametrize("count", [1001, 262144])
+def test_all_to_all_single_in_place(ranks, ws, count):
+    """all_to_all_single(t, t): the input is read from a copy. Before, the 1 MiB blocks (a
+    rendezvous reads the sender's memory after the receiver may have written it) came out wrong."""
+    ranks.run(_all_to_all_single_in_place, count, timeout=FAST)
+
+
 # ---------------------------------------------------------------------------------------------
 COALESCED_SIZES = [1, 1001, 33, 4096]
 

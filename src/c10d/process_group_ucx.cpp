@@ -1326,8 +1326,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(
   return enqueue(c10d::OpType::ALLTOALL_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
                  [this, in, out, sc = std::move(sc), sd = std::move(sd), rc = std::move(rc),
                   rd = std::move(rd), op](std::uint32_t tag, Clock::time_point dl) {
-                   coll::alltoallv(context(op, tag, dl, in), in.data_ptr(), sc.data(), sd.data(),
+                   const std::size_t in_bytes = nbytes(in);
+                   if (!c10d_detail::overlaps(in.data_ptr(), in_bytes, out.data_ptr(),
+                                              nbytes(out))) {
+                     coll::alltoallv(context(op, tag, dl, in), in.data_ptr(), sc.data(), sd.data(),
+                                     out.data_ptr(), rc.data(), rd.data());
+                     return;
+                   }
+                   // In place (all_to_all_single(t, t)) or overlapping: the blocks that arrive
+                   // would overwrite blocks not yet sent (a rendezvous reads the sender's memory
+                   // late), so the input is read from a copy made when the call runs.
+                   const std::vector<at::Tensor> ins{in};
+                   const std::vector<std::size_t> in_len{in_bytes};
+                   ListBuffer send(ins, in_len, in, out.data_ptr(), nbytes(out));
+                   send.pack();
+                   coll::alltoallv(context(op, tag, dl, in), send.data(), sc.data(), sd.data(),
                                    out.data_ptr(), rc.data(), rd.data());
+                   send.done();
                  });
 }
 
