@@ -54,10 +54,10 @@ from . import _C
 
 __all__ = ["Buffer", "EventOverlap", "Config"]
 
-_MAGIC = 0x434D58455001  # "CMXEP" + wire version 1
+_MAGIC = 0x434D58455002  # "CMXEP" + wire version 2 (2: the parts field, _H_PARTS)
 # Header row (int64), one per destination rank.
 _H_MAGIC, _H_KIND, _H_STATUS, _H_BUFFER, _H_CALL, _H_HIDDEN, _H_DTYPE, _H_TOPK, _H_EXPERTS, \
-    _H_ROWS, _H_BYTES, _H_STRIDE, _H_CAP, _H_TOKENS, _H_LAYOUT = range(15)
+    _H_ROWS, _H_BYTES, _H_STRIDE, _H_CAP, _H_TOKENS, _H_LAYOUT, _H_PARTS = range(16)
 _H_TEXT = 16          # the rejection reason, UTF-8, from here to the end of the row
 _H_LEN = 16 + 32      # 48 int64 = 384 bytes a destination
 
@@ -68,7 +68,18 @@ _MUST_AGREE = [(_H_KIND, "call"), (_H_BUFFER, "Buffer"), (_H_CALL, "call number 
                (_H_HIDDEN, "hidden size"), (_H_DTYPE, "dtype"), (_H_TOPK, "top-k"),
                (_H_EXPERTS, "number of experts"), (_H_STRIDE, "row layout"),
                (_H_CAP, "capacity (max_tokens_per_rank / num_max_dispatch_tokens_per_rank)"),
-               (_H_LAYOUT, "handle (the dispatch call it comes from)")]
+               (_H_LAYOUT, "handle (the dispatch call it comes from)"),
+               (_H_PARTS, "set of parts sent (topk_weights or fp8 given on some ranks only?)")]
+# The parts a call sends (_H_PARTS, a bit each): the lanes and the per-row metadata fields. Two
+# calls may agree on every size and row stride and still differ in these (k=1 with and without
+# topk_weights: 16-byte rows either way), and each side would read the other's rows wrongly.
+_PART_BITS = {"x": 1, "scales": 2, "idx": 4, "w": 8, "src": 16, "expert": 32, "topk_weights": 64}
+_PART_NAMES = {"x": "x", "scales": "fp8 scales", "idx": "topk_idx", "w": "topk_weights",
+               "src": "source rows", "expert": "expert ids", "topk_weights": "topk_weights"}
+
+
+def _parts_text(bits):
+    return "{" + ", ".join(_PART_NAMES[n] for n, b in _PART_BITS.items() if bits & b) + "}"
 
 _FP8_BLOCK = 128
 _FP8_MAX = 448.0
@@ -225,8 +236,9 @@ class _Call:
         self.device = torch.device("cpu")
         self.lanes = []
 
-    def lane(self, rows: torch.Tensor, row_bytes: int):
+    def lane(self, rows: torch.Tensor, row_bytes: int, name: str = "x"):
         """A lane of the message: rows ([S, ...], grouped by destination rank as self.counts)."""
+        self.hdr[_H_PARTS] |= _PART_BITS[name]
         self.lanes.append((rows.reshape(-1).view(torch.uint8) if rows.numel() else
                            torch.empty(0, dtype=torch.uint8, device=rows.device), row_bytes))
 
@@ -236,6 +248,8 @@ class _Call:
         names = [n for n in parts if layout.offsets[n][1]]
         rnames = [n for n, _ in row_parts if layout.offsets[n][1]]
         rows = dict(row_parts)
+        for n in names + rnames:
+            self.hdr[_H_PARTS] |= _PART_BITS[n]
         self.layout = layout
         packed = _C._ep_pack([parts[n] for n in names], [layout.offset(n) for n in names], index,
                              [rows[n] for n in rnames], [layout.offset(n) for n in rnames],
@@ -317,6 +331,8 @@ class _Call:
             for field, words in _MUST_AGREE:
                 if row[field] != self.hdr[field]:
                     mine, theirs = self.hdr[field], row[field]
+                    if field == _H_PARTS:
+                        mine, theirs = _parts_text(mine), _parts_text(theirs)
                     names = _KINDS if field == _H_KIND else _DTYPES if field == _H_DTYPE else {}
                     raise ValueError(f"{who}: the {words} differs across ranks: this rank has "
                                      f"{names.get(mine, mine)}, rank {p} has {names.get(theirs, theirs)}")
@@ -571,7 +587,7 @@ class Buffer:
             c.counts = h._recv_counts
             c.lane(x.contiguous(), 2 * H)
             if topk_weights is not None:
-                c.lane(topk_weights.contiguous(), 4 * h._topk)
+                c.lane(topk_weights.contiguous(), 4 * h._topk, "topk_weights")
         except Exception as e:  # noqa: BLE001  (told to every rank, then raised here)
             c.reject(e)
         lanes, _ = c.exchange()

@@ -425,6 +425,14 @@ def _bad(ctx, case):
     elif case == "destroyed":
         if me == culprit:
             buf.destroy()
+    elif case == "weights_on_some_ranks":
+        # k=1: 16-byte metadata rows with and without weights, so only the parts field tells them
+        # apart (before, both calls returned, each reading the other's rows wrongly)
+        kw.update(topk_idx=idx[:, :1].contiguous(), topk_weights=None if me == culprit else w[:, :1].contiguous())
+    elif case == "combine_weights_on_some_ranks":
+        # (before: the rank without weights returned, the others waited out the timeout)
+        rx, _, rw, _, h, _ = buf.dispatch(x, **kw)
+        call = lambda: buf.combine(rx, h, topk_weights=None if me == culprit else rw)  # noqa: E731
     elif case == "ll_combine_other_topk":
         ll = Buffer(low_latency_mode=True)
         h = ll.low_latency_dispatch(x, idx, 8, E, use_fp8=False)[2]
@@ -452,6 +460,9 @@ BAD_CASES = {
     "low_latency_without_mode": ("low_latency_mode=True",),
     "destroyed": ("destroyed",),
     "ll_combine_other_topk": ("topk_idx", "routed"),
+    "weights_on_some_ranks": ("set of parts sent", "{x, topk_idx, source rows}",
+                              "{x, topk_idx, topk_weights, source rows}"),
+    "combine_weights_on_some_ranks": ("set of parts sent", "{x}", "{x, topk_weights}"),
 }
 
 
@@ -504,6 +515,33 @@ def test_lane_sizes_beyond_the_buffer_are_refused(ranks, ws):
         assert r["type"] == "ValueError", f"{r['type']}: {r['msg']}"
         assert mentions(r["msg"], "commux ep_lanes", "recv_capacity[0] is 6917529027641081856",
                         "beyond the buffer's 16 bytes"), r["msg"]
+
+
+def _lanes_with_empty_parts(ctx):
+    # Rank 0 sends rank 1 8 bytes in lane 1 and nothing in lane 0; rank 1 gives both lanes an
+    # 8-byte slot. Every lane travels as its own part, empty ones too, so the bytes land in lane
+    # 1's slot. (Before, empty parts were left out on each side by its own sizes: rank 0's lane 1
+    # landed in lane 0's slot, and rank 1 then waited for a second part that never came.)
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    me, empty = ctx.rank, torch.zeros(0, dtype=torch.uint8)
+    if me == 0:
+        data = torch.arange(1, 9, dtype=torch.uint8)
+        got = pg._exchange_lanes("ep_lanes", [empty, data], [[0, 0], [0, 8]],
+                                 [empty, empty], [[0, 0], [0, 0]], [[0, 0], [0, 0]], 5000)
+        return list(got), None, None
+    slots = [torch.full((8,), 0xEE, dtype=torch.uint8) for _ in range(2)]
+    got = pg._exchange_lanes("ep_lanes", [empty, empty], [[0, 0], [0, 0]],
+                             slots, [[0, 0], [0, 0]], [[8, 0], [8, 0]], 5000)
+    return list(got), slots[0].tolist(), slots[1].tolist()
+
+
+@worlds(2)
+def test_lanes_with_empty_parts_land_in_their_own_slots(ranks, ws):
+    (got0, _, _), (got1, lane0, lane1) = ranks.run(_lanes_with_empty_parts, timeout=FAST)
+    assert got0 == [0, 0]
+    assert got1 == [8, 0], got1  # 8 of the 16 bytes of capacity: the caller judges that
+    assert lane0 == [0xEE] * 8, f"lane 0's slot was written: {lane0}"
+    assert lane1 == list(range(1, 9)), lane1
 
 
 def _under_detail_wrapper(ctx):

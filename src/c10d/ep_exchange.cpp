@@ -119,9 +119,10 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) bad(op, "the process group (" + where() + ") has been shut down");
-    // The wire tag of the call, with the exchange's own fingerprint: its messages never match a
-    // collective's (src/collectives/calls.cpp).
-    tag = coll::call_wire_tag(next_tag_++, kExchangeFingerprint);
+    // The wire tag of the call, with the exchange's own fingerprint and the number of lanes: its
+    // messages never match a collective's (src/collectives/calls.cpp), nor an exchange of another
+    // lane count (whose parts would land in the wrong lanes).
+    tag = coll::call_wire_tag(next_tag_++, kExchangeFingerprint ^ (0x9E3779B97F4A7C15ull * L));
   }
   const auto limit = effective(timeout);
   const auto deadline = Clock::now() + limit;
@@ -135,19 +136,19 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
   };
   std::vector<Posted> posted;
   posted.reserve(2 * static_cast<std::size_t>(size));
-  // One message per peer: the lanes' parts for that peer, the empty ones left out (both sides
-  // know every size, so they leave out the same ones).
+  // One message per peer: a part per lane, the empty ones too. (Leaving them out relied on the
+  // sender's sizes and the receiver's capacities having the same zeros; where they did not, a
+  // lane's bytes landed in another lane's slot, and the call could even succeed.)
   std::vector<Buffer> parts(L);
   auto gather = [&](int p, bool is_send) {
-    std::size_t n = 0;
     for (std::size_t l = 0; l < L; ++l) {
       const std::int64_t bytes = is_send ? send_bytes[l][p] : recv_capacity[l][p];
-      if (bytes == 0) continue;
       auto* base = static_cast<std::uint8_t*>(is_send ? sends[l].data_ptr() : recvs[l].data_ptr());
-      parts[n++] = Buffer{base + (is_send ? send_off[l][p] : recv_offsets[l][p]),
-                          static_cast<std::size_t>(bytes), is_send ? send_mem[l] : recv_mem[l]};
+      parts[l] =
+          Buffer{base == nullptr ? nullptr : base + (is_send ? send_off[l][p] : recv_offsets[l][p]),
+                 static_cast<std::size_t>(bytes), is_send ? send_mem[l] : recv_mem[l]};
     }
-    return n;
+    return L;
   };
   try {
     // UCX reads the send buffers and overwrites the receive buffers from now on: the work queued
@@ -159,21 +160,18 @@ std::vector<std::int64_t> ProcessGroupUCX::Impl::exchange_lanes(
     for (int p = 0; p < size; ++p) {
       if (p == me) continue;
       const std::size_t n = gather(p, false);
-      if (n > 0)
-        posted.push_back(
-            {commux::detail::channel(*comm_).post_recv(parts.data(), n, p, TagKind::kInternal, tag),
-             p, false});
+      posted.push_back(
+          {commux::detail::channel(*comm_).post_recv(parts.data(), n, p, TagKind::kInternal, tag),
+           p, false});
     }
     for (int i = 1; i < size; ++i) {  // start with the next rank, so no peer is everyone's first
       const int p = (me + i) % size;
       const std::size_t n = gather(p, true);
       // Waited on at once: UCX may then stay eager up to its fast-completion threshold.
-      if (n > 0) {
-        posted.push_back(
-            {commux::detail::channel(*comm_).post_send(parts.data(), n, p, TagKind::kInternal, tag,
-                                                       /*fast_completion=*/true),
-             p, true});
-      }
+      posted.push_back(
+          {commux::detail::channel(*comm_).post_send(parts.data(), n, p, TagKind::kInternal, tag,
+                                                     /*fast_completion=*/true),
+           p, true});
     }
     for (std::size_t l = 0; l < L; ++l) {
       const std::int64_t n = send_bytes[l][me];
