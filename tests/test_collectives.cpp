@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <complex>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -468,6 +469,41 @@ void check_invalid_arguments(Rank& k) {
   none.op_name = "barrier";
   m = expect_error(Errc::kInvalidArgument, [&] { coll::barrier(none); });
   CX_CHECK_HAS(m, "commux barrier:");
+  // Sizes that wrap around a size_t: before, the byte count came out at a few bytes and the
+  // algorithms (which use the count) ran past the buffer.
+  const std::size_t wraps = SIZE_MAX / 4 + 2;  // x 4 bytes = 4 (mod 2^64)
+  m = expect_error(Errc::kInvalidArgument, [&] {
+    coll::allreduce(k.ctx("allreduce"), f, wraps, DataType::kFloat32, ReduceOp::kSum);
+  });
+  CX_CHECK_HAS(m, "commux allreduce: count x element size (4611686018427387905 x 4) overflows");
+  m = expect_error(Errc::kInvalidArgument, [&] {
+    coll::reduce(k.ctx("reduce"), f, wraps, DataType::kFloat32, ReduceOp::kSum, 0);
+  });
+  CX_CHECK_HAS(m, "commux reduce: count x element size");
+  std::vector<std::size_t> counts(static_cast<std::size_t>(n), 1);
+  counts[0] = SIZE_MAX;  // the sum wraps (with n > 1) to n - 2
+  if (n > 1) {
+    m = expect_error(Errc::kInvalidArgument, [&] {
+      coll::reduce_scatter(k.ctx("reduce_scatter"), f, f, counts.data(), DataType::kFloat32,
+                           ReduceOp::kSum);
+    });
+    CX_CHECK_HAS(m, "commux reduce_scatter: the counts' sum");
+    std::vector<std::size_t> displs(static_cast<std::size_t>(n), 0);
+    m = expect_error(Errc::kInvalidArgument, [&] {
+      coll::allgatherv(k.ctx("allgatherv"), f, f, counts.data(), displs.data());
+    });
+    CX_CHECK_HAS(m, "commux allgatherv: the counts' sum");
+    m = expect_error(Errc::kInvalidArgument,
+                     [&] { coll::gather(k.ctx("gather"), f, SIZE_MAX / 2 + 1, f, 0); });
+    CX_CHECK_HAS(m, "commux gather: bytes x ranks");
+  }
+  std::vector<std::size_t> sc(static_cast<std::size_t>(n), 0), sd(static_cast<std::size_t>(n), 0);
+  sc[0] = 8;
+  sd[0] = SIZE_MAX - 3;  // + 8 wraps to 4
+  m = expect_error(Errc::kInvalidArgument, [&] {
+    coll::alltoallv(k.ctx("alltoallv"), f, sc.data(), sd.data(), f, sc.data(), sd.data());
+  });
+  CX_CHECK_HAS(m, "commux alltoallv: a send displacement + count");
 }
 
 // The whole sequence, for one world.

@@ -19,7 +19,7 @@ void allgatherv(const Context& ctx, const void* in, void* out, const std::size_t
   std::size_t total = 0;
   bool uniform = true;
   for (int p = 0; p < n; ++p) {
-    total += counts[p];
+    total = detail::checked_add(ctx, total, counts[p], "the counts' sum");
     uniform =
         uniform && counts[p] == counts[0] && displs[p] == static_cast<std::size_t>(p) * counts[0];
   }
@@ -38,6 +38,7 @@ void allgatherv(const Context& ctx, const void* in, void* out, const std::size_t
 void allgather(const Context& ctx, const void* in, std::size_t bytes, void* out) {
   if (ctx.comm == nullptr) detail::Exchange::invalid(ctx, "Context::comm is null");
   const auto n = static_cast<std::size_t>(ctx.comm->size());
+  detail::checked_mul(ctx, bytes, n, "bytes x ranks");  // (so no displacement below wraps)
   std::vector<std::size_t> counts(n, bytes), displs(n);
   for (std::size_t p = 0; p < n; ++p) displs[p] = p * bytes;
   allgatherv(ctx, in, out, counts.data(), displs.data());

@@ -28,7 +28,7 @@ const char* select(int n, const detail::AllreduceArgs& a) {
 void allreduce(const Context& ctx, void* buf, std::size_t count, DataType t, ReduceOp op) {
   detail::Exchange ex(ctx);
   check_reduction(ex.op(), t, op);
-  const std::size_t bytes = count * dtype_size(t);
+  const std::size_t bytes = detail::checked_mul(ctx, count, dtype_size(t), "count x element size");
   detail::check_ptr(ctx, buf, bytes, "buf");
   const int n = ex.size();
   detail::AllreduceArgs a{static_cast<char*>(buf), count, t, op};

@@ -19,8 +19,10 @@ void alltoallv(const Context& ctx, const void* in, const std::size_t* send_count
   const auto me = static_cast<std::size_t>(r);
   std::size_t in_end = 0, out_end = 0;
   for (int p = 0; p < n; ++p) {
-    in_end = std::max(in_end, send_displs[p] + send_counts[p]);
-    out_end = std::max(out_end, recv_displs[p] + recv_counts[p]);
+    in_end = std::max(in_end, detail::checked_add(ctx, send_displs[p], send_counts[p],
+                                                  "a send displacement + count"));
+    out_end = std::max(out_end, detail::checked_add(ctx, recv_displs[p], recv_counts[p],
+                                                    "a receive displacement + count"));
   }
   detail::check_ptr(ctx, in, in_end, "in");
   detail::check_ptr(ctx, out, out_end, "out");

@@ -18,7 +18,9 @@ void gather(const Context& ctx, const void* in, std::size_t bytes, void* out, in
   const int n = ex.size(), r = ex.rank();
   detail::check_root(ctx, root, n);
   detail::check_ptr(ctx, in, bytes, "in");
-  if (r == root) detail::check_ptr(ctx, out, bytes * static_cast<std::size_t>(n), "out");
+  const std::size_t all =
+      detail::checked_mul(ctx, bytes, static_cast<std::size_t>(n), "bytes x ranks");
+  if (r == root) detail::check_ptr(ctx, out, all, "out");
   const detail::RootedArgs a{static_cast<const char*>(in), static_cast<char*>(out), bytes, root};
   const auto& algo = detail::choose(ex, detail::gather_table(), n, a, select(n, bytes));
   if (n == 1) {
@@ -33,7 +35,9 @@ void scatter(const Context& ctx, const void* in, void* out, std::size_t bytes, i
   const int n = ex.size(), r = ex.rank();
   detail::check_root(ctx, root, n);
   detail::check_ptr(ctx, out, bytes, "out");
-  if (r == root) detail::check_ptr(ctx, in, bytes * static_cast<std::size_t>(n), "in");
+  const std::size_t all =
+      detail::checked_mul(ctx, bytes, static_cast<std::size_t>(n), "bytes x ranks");
+  if (r == root) detail::check_ptr(ctx, in, all, "in");
   const detail::RootedArgs a{static_cast<const char*>(in), static_cast<char*>(out), bytes, root};
   const auto& algo = detail::choose(ex, detail::scatter_table(), n, a, select(n, bytes));
   if (n == 1) {

@@ -84,4 +84,24 @@ inline void check_ptr(const Context& ctx, const void* p, std::size_t bytes, cons
   }
 }
 
+// a * b and a + b as sizes, or an invalid-argument error where the result does not fit a size_t:
+// a count near SIZE_MAX / 4 of float32 once made a buffer of a few bytes, and the algorithms,
+// which use the count, ran past it. `what` names the quantity ("count x element size").
+inline std::size_t checked_mul(const Context& ctx, std::size_t a, std::size_t b, const char* what) {
+  std::size_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) {
+    Exchange::invalid(ctx, std::string(what) + " (" + std::to_string(a) + " x " +
+                               std::to_string(b) + ") overflows a size_t");
+  }
+  return r;
+}
+inline std::size_t checked_add(const Context& ctx, std::size_t a, std::size_t b, const char* what) {
+  std::size_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) {
+    Exchange::invalid(ctx, std::string(what) + " (" + std::to_string(a) + " + " +
+                               std::to_string(b) + ") overflows a size_t");
+  }
+  return r;
+}
+
 }  // namespace commux::coll::detail

@@ -12,7 +12,7 @@ void reduce(const Context& ctx, void* buf, std::size_t count, DataType t, Reduce
   detail::Exchange ex(ctx);
   check_reduction(ex.op(), t, op);
   detail::check_root(ctx, root, ex.size());
-  const std::size_t bytes = count * dtype_size(t);
+  const std::size_t bytes = detail::checked_mul(ctx, count, dtype_size(t), "count x element size");
   detail::check_ptr(ctx, buf, bytes, "buf");
   const int n = ex.size();
   detail::ReduceArgs a{static_cast<char*>(buf), count, t, op, root};

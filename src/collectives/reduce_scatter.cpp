@@ -18,15 +18,19 @@ void reduce_scatter(const Context& ctx, const void* in, void* out, const std::si
   const int n = ex.size(), r = ex.rank();
   const std::size_t es = dtype_size(t);
   std::vector<std::size_t> off(static_cast<std::size_t>(n) + 1, 0);
-  for (int p = 0; p < n; ++p)
-    off[static_cast<std::size_t>(p) + 1] = off[static_cast<std::size_t>(p)] + counts[p];
+  for (int p = 0; p < n; ++p) {
+    off[static_cast<std::size_t>(p) + 1] =
+        detail::checked_add(ctx, off[static_cast<std::size_t>(p)], counts[p], "the counts' sum");
+  }
   const std::size_t total = off.back();
-  const std::size_t mine_bytes = counts[r] * es;
-  detail::check_ptr(ctx, in, total * es, "in");
+  const std::size_t total_bytes =
+      detail::checked_mul(ctx, total, es, "the counts' sum x element size");
+  const std::size_t mine_bytes = counts[r] * es;  // (at most total_bytes)
+  detail::check_ptr(ctx, in, total_bytes, "in");
   detail::check_ptr(ctx, out, mine_bytes, "out");
   detail::ReduceScatterArgs a{static_cast<const char*>(in), static_cast<char*>(out), off.data(), t,
                               op};
-  const char* pick = pattern::is_pow2(n) && total * es < detail::kReduceScatterSmallBytes
+  const char* pick = pattern::is_pow2(n) && total_bytes < detail::kReduceScatterSmallBytes
                          ? "recursive_halving"
                          : "ring";
   const auto& algo = detail::choose(ex, detail::reduce_scatter_table(), n, a, pick);
@@ -34,7 +38,7 @@ void reduce_scatter(const Context& ctx, const void* in, void* out, const std::si
     ex.copy(out, ex.mem(), in, ex.mem(), mine_bytes);
     return;
   }
-  detail::WorkStage src(ex, const_cast<void*>(in), total * es, true);
+  detail::WorkStage src(ex, const_cast<void*>(in), total_bytes, true);
   detail::WorkStage dst(ex, out, mine_bytes, false);
   a.in = src.data();
   a.out = dst.data();
