@@ -499,6 +499,38 @@ def test_all_to_all_single_in_place(ranks, ws, count):
     ranks.run(_all_to_all_single_in_place, count, timeout=FAST)
 
 
+def _flat_blocks_aliased(ctx, count, which):
+    """all_gather_into_tensor whose input is a row of its output, and reduce_scatter_tensor whose
+    output is a block of its input: this rank's own row (in place) or the next rank's."""
+    W, me = ctx.world, ctx.rank
+    j = me if which == "own" else (me + 1) % W
+
+    def block(src, b):
+        return make(src, count, "float32", salt=f"fb{b}")
+
+    for rep in range(3):  # (the wrong results depended on timing: before, 1 call in 2 or so)
+        out = torch.zeros(W * count)
+        out[j * count:(j + 1) * count] = block(me, 0)
+        dist.all_gather_into_tensor(out, out[j * count:(j + 1) * count])
+        for r in range(W):
+            verify(f"all_gather_into_tensor #{rep}, input = row {j}: row {r}", out[r * count:(r + 1) * count],
+                   block(r, 0))
+        inp = torch.cat([block(me, b) for b in range(W)])
+        res = inp[j * count:(j + 1) * count]
+        dist.reduce_scatter_tensor(res, inp)
+        verify(f"reduce_scatter_tensor #{rep}, output = block {j}", res,
+               reduce_all([block(r, me) for r in range(W)], "SUM", W))
+
+
+@worlds(1, 2, 3)
+@pytest.mark.parametrize("which", ["own", "next"])
+@pytest.mark.parametrize("count", [1001, 300000])
+def test_flat_blocks_aliased(ranks, ws, count, which):
+    """Before, reduce_scatter_tensor into the next rank's block of its input gave a wrong result at
+    1 MiB per block on 2 ranks, silently; the input is now read from a copy there."""
+    ranks.run(_flat_blocks_aliased, count, which, timeout=FAST)
+
+
 # ---------------------------------------------------------------------------------------------
 COALESCED_SIZES = [1, 1001, 33, 4096]
 

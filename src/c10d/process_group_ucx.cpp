@@ -1125,6 +1125,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather(
                  });
 }
 
+namespace {
+// The input of an all_gather (small: its input, big: its output) or a reduce_scatter (small: its
+// output, big: its input): itself where it does not overlap the output or `small` is exactly this
+// rank's block of `big` (in place, which the algorithms allow), else a copy made when the call
+// runs. (A reduce_scatter_tensor whose output was another rank's block
+// of its input gave a wrong result at 1 MiB per block, silently.)
+at::Tensor unaliased(const at::Tensor& in, const at::Tensor& out, const at::Tensor& small,
+                     const at::Tensor& big, int rank) {
+  const auto* own = static_cast<const std::byte*>(big.data_ptr()) +
+                    static_cast<std::size_t>(rank) * nbytes(small);
+  if (small.data_ptr() == own ||
+      !c10d_detail::overlaps(in.data_ptr(), nbytes(in), out.data_ptr(), nbytes(out))) {
+    return in;
+  }
+  return in.clone();
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const c10d_detail::GroupScope scope(group_name_, getRank(), getSize());
@@ -1133,7 +1151,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_allgather_base(
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
                  [this, in, out, op](std::uint32_t tag, Clock::time_point dl) {
-                   coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
+                   const at::Tensor src = unaliased(in, out, in, out, getRank());
+                   coll::allgather(context(op, tag, dl, in), src.data_ptr(), nbytes(in),
                                    out.data_ptr());
                  });
 }
@@ -1286,7 +1305,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_reduce_scatter_base(
                  [this, in, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
                    // The input is not modified: PREMUL_SUM scales a copy.
                    run_reduce_scatter(context(op, tag, dl, out),
-                                      r.pre_scale != 1.0 ? in.clone() : in, out, r, size);
+                                      r.pre_scale != 1.0 ? in.clone()
+                                                         : unaliased(in, out, out, in, getRank()),
+                                      out, r, size);
                  });
 }
 
