@@ -306,3 +306,57 @@ def test_p2p_with_commux_settings(setting):
     assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
     assert outs[0].value["env"][setting] == "1"
     assert all(o.ok for o in closed), "\n".join(o.describe() for o in closed)
+
+
+# ---------------------------------------------------------------------------------------------
+def _mismatched_sizes(ctx):
+    """Rank 1 sends messages of the wrong size to rank 0, which must hear of each one.
+
+    torch cannot report how many bytes a receive got, so a shorter message fails the receive (the
+    tensor would otherwise keep stale elements with nothing said), and a longer one fails as UCX
+    truncates it. Every way of observing the outcome sees the failure; the sender's side succeeds
+    (its message was taken). The group works afterwards.
+    """
+    from helpers import expect_raises
+    be = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    out = {}
+    if ctx.rank == 1:
+        for tag, n in ((21, 8), (22, 8), (23, 8), (24, 8), (25, 32)):
+            dist.send(torch.arange(n, dtype=torch.float32), dst=0, tag=tag)
+        be.send([torch.arange(4, dtype=torch.float32), torch.arange(8, dtype=torch.float32)], 0, 26).wait()
+        dist.send(torch.arange(16, dtype=torch.float32), dst=0, tag=27)
+        return out
+    fill = lambda: torch.full((16,), -1.0)  # noqa: E731
+    out["recv"] = expect_raises(lambda: dist.recv(fill(), src=1, tag=21))
+    out["irecv.wait"] = expect_raises(lambda: dist.irecv(fill(), src=1, tag=22).wait())
+    out["future"] = expect_raises(lambda: dist.irecv(fill(), src=1, tag=23).get_future().wait())
+    out["any source"] = expect_raises(lambda: dist.recv(fill(), src=None, tag=24))
+    out["longer"] = expect_raises(lambda: dist.recv(fill(), src=1, tag=25))
+    a, b = torch.full((8,), -1.0), torch.full((8,), -1.0)
+    w = be.recv([a, b], 1, 26)
+    out["two tensors"] = expect_raises(w.wait)
+    out["two tensors: is_success"] = w.is_success()
+    out["two tensors: exception"] = str(w.exception())
+    good = fill()
+    dist.recv(good, src=1, tag=27)
+    out["after"] = torch.equal(good, torch.arange(16, dtype=torch.float32))
+    return out
+
+
+@pytest.mark.ucx_semantics  # gloo fills a tensor partly from a shorter message and says nothing
+@worlds(2)
+def test_a_receive_of_the_wrong_size_fails(ranks, ws):
+    from helpers import mentions
+    got = ranks.run(_mismatched_sizes)[0]
+    for case in ("recv", "irecv.wait", "future", "any source"):
+        r = got[case]
+        assert r["raised"], f"{case}: a 32-byte message into a 64-byte tensor raised nothing"
+        assert mentions(r["msg"], "rank 1", "32 bytes", "64 bytes", "group"), f"{case}: {r['msg']}"
+        assert "tag 2" in r["msg"], f"{case}: {r['msg']}"
+    assert got["longer"]["raised"] and mentions(got["longer"]["msg"], "128", "64"), got["longer"]
+    r = got["two tensors"]
+    assert r["raised"], "pg.recv([a, b]) with a short first part raised nothing"
+    assert mentions(r["msg"], "48 bytes", "64 bytes", "32 + 32"), r["msg"]
+    assert got["two tensors: is_success"] is False
+    assert "48 bytes" in got["two tensors: exception"], got["two tensors: exception"]
+    assert got["after"], "a receive of the right size after the failures got the wrong bytes"

@@ -938,8 +938,10 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }
-  auto w = c10::make_intrusive<P2PWork>(getRank(), type, std::move(r), tensors, timeout_,
-                                        comm_->options().shutdown_timeout);
+  // A receive must be filled exactly: torch cannot report a shorter message's length.
+  auto w = c10::make_intrusive<P2PWork>(
+      getRank(), type, std::move(r), tensors, timeout_, comm_->options().shutdown_timeout,
+      type == c10d::OpType::SEND ? nullptr : where_, tag);
   keep_until_done(w);
   return w;
 }

@@ -223,13 +223,50 @@ bool CollWork::wait(std::chrono::milliseconds timeout) {
 // --- P2PWork ---------------------------------------------------------------------------------
 
 P2PWork::P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::Tensor> tensors,
-                 std::chrono::milliseconds default_timeout, std::chrono::milliseconds cancel_bound)
+                 std::chrono::milliseconds default_timeout, std::chrono::milliseconds cancel_bound,
+                 std::shared_ptr<const std::string> exact_where, int tag)
     : c10d::Work(rank, type),
       request_(std::move(request)),
       tensors_(std::move(tensors)),
+      exact_where_(std::move(exact_where)),
+      tag_(tag),
       default_timeout_(default_timeout),
       cancel_bound_(cancel_bound),
-      posted_(Clock::now()) {}
+      posted_(Clock::now()) {
+  if (exact_where_) {
+    for (const auto& t : tensors_) exact_bytes_ += t.numel() * t.element_size();
+  }
+}
+
+std::exception_ptr P2PWork::outcome() const {
+  if (!request_.done()) return nullptr;
+  auto e = request_.error();
+  if (e || !exact_where_) return e;
+  const std::size_t got = request_.bytes();
+  if (got == exact_bytes_) return nullptr;
+  // A longer message fails in UCX (kTruncated); a shorter one arrives whole and would leave the
+  // rest of the tensors as they were, with nothing to tell the caller.
+  const int from = request_.source();
+  std::string held = std::to_string(exact_bytes_) + " bytes";
+  if (tensors_.size() > 1) {
+    held = "the " + std::to_string(tensors_.size()) + " tensors posted for it hold " + held + " (";
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      held += (i ? " + " : "") + std::to_string(tensors_[i].numel() * tensors_[i].element_size());
+    }
+    held += ")";
+  } else {
+    held = "the tensor posted for it holds " + held;
+  }
+  return std::make_exception_ptr(Error(
+      Errc::kCallMismatch,
+      ErrorSite{retrieveOpType() == c10d::OpType::RECVANYSOURCE ? "recvAnysource" : "recv", from,
+                static_cast<std::uint64_t>(tag_), exact_bytes_, {}},
+      "the message from rank " + std::to_string(from) + " with tag " + std::to_string(tag_) +
+          " is " + std::to_string(got) + " bytes, but " + held + " (" + *exact_where_ +
+          "). A receive must be filled exactly: torch cannot say how much arrived, so the rest "
+          "would be stale. Send and receive tensors of the same size (send the size first if it "
+          "varies)"));
+}
 
 bool P2PWork::isCompleted() {
   if (!request_.done() && !request_.test()) return false;
@@ -237,9 +274,9 @@ bool P2PWork::isCompleted() {
   return true;
 }
 
-bool P2PWork::isSuccess() const { return request_.done() && !request_.error(); }
+bool P2PWork::isSuccess() const { return request_.done() && !outcome(); }
 
-std::exception_ptr P2PWork::exception() const { return to_torch_error(request_.error()); }
+std::exception_ptr P2PWork::exception() const { return to_torch_error(outcome()); }
 
 int P2PWork::sourceRank() const {
   if (!request_.done()) {
@@ -262,7 +299,7 @@ bool is_canceled(const std::exception_ptr& e) {
 
 // What a timed-out p2p operation became after the cancellation was asked for: nullptr when it
 // matched after all (a success), else the error to report.
-std::exception_ptr after_cancel(const Request& r, const Error& timeout,
+std::exception_ptr after_cancel(const Request& r, std::exception_ptr outcome, const Error& timeout,
                                 std::chrono::milliseconds bound) {
   if (!r.done()) {
     return std::make_exception_ptr(Error(
@@ -273,7 +310,7 @@ std::exception_ptr after_cancel(const Request& r, const Error& timeout,
             "or the group is shut down)",
         /*still_posted=*/true));
   }
-  auto e = r.error();
+  auto e = std::move(outcome);
   if (!e) return nullptr;
   if (is_canceled(e)) {
     return std::make_exception_ptr(
@@ -297,7 +334,7 @@ void P2PWork::cancel_after_timeout(const Error& timeout) {
   } catch (...) {
     // Read below: still posted, cancelled, or failed by itself.
   }
-  if (auto e = after_cancel(request_, timeout, cancel_bound_)) {
+  if (auto e = after_cancel(request_, outcome(), timeout, cancel_bound_)) {
     if (request_.done()) release();
     throw_torch_error(e);
   }
@@ -375,6 +412,7 @@ bool P2PWork::wait(std::chrono::milliseconds timeout) {
     throw_torch_error(std::current_exception());
   }
   release();
+  if (auto e = outcome()) throw_torch_error(e);  // an exact receive's short message
   return true;
 }
 
@@ -392,7 +430,7 @@ c10::intrusive_ptr<c10::ivalue::Future> P2PWork::getFuture() {
                 "commux p2p: the process group was shut down before the operation finished"))));
       return future_;
     }
-    if (auto e = request_.error()) {
+    if (auto e = outcome()) {
       future_->setError(to_torch_error(e));
     } else {
       future_->markCompleted(c10::IValue(tensors_));
@@ -446,12 +484,12 @@ bool P2PWork::poll_future() {
       request_.cancel();
     }
     if (now < timeout_at + cancel_bound_) return false;
-    f->setError(to_torch_error(after_cancel(request_, timeout_error(), cancel_bound_)));
+    f->setError(to_torch_error(after_cancel(request_, outcome(), timeout_error(), cancel_bound_)));
     return false;  // still posted: the backend keeps it until it finishes
   }
   if (pending) {
-    auto e = request_.error();
-    if (e && cancel_asked_.load()) e = after_cancel(request_, timeout_error(), cancel_bound_);
+    auto e = outcome();
+    if (e && cancel_asked_.load()) e = after_cancel(request_, outcome(), timeout_error(), cancel_bound_);
     if (e) {
       f->setError(to_torch_error(e));
     } else {

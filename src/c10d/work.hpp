@@ -193,9 +193,15 @@ class FutureWatcher;  // watcher.hpp
 class P2PWork final : public c10d::Work {
  public:
   // `cancel_bound`: how long a timed-out wait waits for the cancellation to finish.
+  // `exact_where` (a user's receive, posted with `tag`): the message must fill the tensors. torch
+  // has no way to say how many bytes arrived, so a shorter message fails the Work (kCallMismatch,
+  // naming the sender, the tag, both sizes and this group's "group 'G', rank R of N") instead of
+  // leaving the rest of the tensors stale. Without it (the backend's own keep-alive Works) the
+  // outcome is the request's.
   P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::Tensor> tensors,
           std::chrono::milliseconds default_timeout,
-          std::chrono::milliseconds cancel_bound = std::chrono::milliseconds(3000));
+          std::chrono::milliseconds cancel_bound = std::chrono::milliseconds(3000),
+          std::shared_ptr<const std::string> exact_where = nullptr, int tag = 0);
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
@@ -225,8 +231,14 @@ class P2PWork final : public c10d::Work {
   void wait_request(std::chrono::milliseconds limit);
   void release();         // the request has finished: the backend drops its reference now
   Error timeout_error();  // the timeout that had the request cancelled
+  // The finished request's failure, or that of a message shorter than an exact receive's tensors;
+  // nullptr while unfinished or on success.
+  std::exception_ptr outcome() const;
   Request request_;
   std::vector<at::Tensor> tensors_;
+  std::shared_ptr<const std::string> exact_where_;  // set for an exact receive
+  std::size_t exact_bytes_ = 0;                     // what its tensors hold
+  int tag_ = 0;
   std::chrono::milliseconds default_timeout_;
   std::chrono::milliseconds cancel_bound_;
   Clock::time_point posted_;
