@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -75,6 +76,45 @@ TEST_P(Truncation, NamesPeerTagAndSizes) {
 
 INSTANTIATE_TEST_SUITE_P(EagerAndRendezvous, Truncation,
                          ::testing::Values(std::size_t{2048}, std::size_t{4} << 20));
+
+// A failed collective can leave a rendezvous send posted that cancel() cannot take back (its
+// peer never posted the receive), over memory its caller then frees. The peer later drops the
+// message (Channel::discard, at its next collective): that must release the send without reading
+// its buffer, or UCX copies from freed memory (a crash, seen through torch when the caller's
+// tensor was gone). The sender's buffer is made unreadable before the peer discards.
+TEST(Failures, ADiscardedRendezvousSendIsNotRead) {
+  run_ranks(2, [](Communicator& c) {
+    auto& ch = detail::channel(c);
+    constexpr std::uint32_t kTag = 4321;
+    const std::size_t bytes = std::size_t{4} << 20;  // far above the rendezvous threshold
+    if (c.rank() == 0) {
+      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      CX_CHECK(p != MAP_FAILED);
+      std::memset(p, 7, bytes);
+      Buffer b{p, bytes};
+      Request s = ch.post_send(&b, 1, 1, TagKind::kInternal, kTag);
+      CX_CHECK(::mprotect(p, bytes, PROT_NONE) == 0);  // reading it now crashes this rank
+      handshake(c);                                     // rank 1 discards after this
+      try {
+        s.wait(std::chrono::milliseconds(20000));
+      } catch (const Error& e) {
+        CX_CHECK(e.code() != Errc::kTimeout);  // released, with whatever status UCX gives
+      }
+      handshake(c);
+      ::munmap(p, bytes);
+    } else {
+      handshake(c);
+      std::size_t dropped = 0;
+      const auto until = Clock::now() + std::chrono::seconds(20);
+      while (dropped == 0 && Clock::now() < until) {
+        dropped = ch.discard(TagKind::kInternal, kTag, 0xffffffffu);
+        if (dropped == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      CX_CHECK(dropped == 1);
+      handshake(c);
+    }
+  });
+}
 
 // A wait past its deadline names op, peer, tag and bytes; the op can then be cancelled.
 TEST(Failures, TimeoutThenCancel) {

@@ -542,10 +542,9 @@ bool Engine::probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t 
 }
 
 namespace {
-// A dropped message's landing buffer: freed when UCX completes the receive.
+// A dropped message's receive: nothing to free but UCX's request.
 void discard_done(void* request, ucs_status_t /*status*/, const ucp_tag_recv_info_t* /*info*/,
-                  void* user_data) {
-  std::free(user_data);
+                  void* /*user_data*/) {
   if (request != nullptr) ucp_request_free(request);
 }
 }  // namespace
@@ -556,23 +555,21 @@ std::size_t Engine::discard(TagKind kind, std::uint32_t value, std::uint32_t mas
   if (worker_.handle() == nullptr || worker_.shut_down_locked()) return 0;
   // No progress call: this runs before every collective while a failed call's leftovers may
   // still come, and what has not arrived yet is dropped by a later call.
+  //
+  // Each message is taken by a receive of zero bytes, which UCX fails as truncated without
+  // fetching anything: a rendezvous sender is released without its buffer being read. Its call
+  // failed, so it may have freed that buffer already (cancel() cannot take back a send whose
+  // announcement the peer holds); a full-size receive had UCX copy from it.
+  static char sink = 0;
   std::size_t n = 0;
   for (;;) {
     ucp_tag_recv_info_t info{};
     ucp_tag_message_h msg = ucp_tag_probe_nb(worker_.handle(), tag, tmask, 1, &info);
     if (msg == nullptr) break;
-    void* buf = std::malloc(std::max<std::size_t>(info.length, 1));
-    if (buf == nullptr) throw std::bad_alloc();
     ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
     prm.cb.recv = discard_done;
-    prm.user_data = buf;
-    void* r = ucp_tag_msg_recv_nbx(worker_.handle(), buf, info.length, msg, &prm);
-    if (r == nullptr) {
-      std::free(buf);  // completed at once (an eager message)
-    } else if (UCS_PTR_IS_ERR(r)) {
-      std::free(buf);
-    }
+    static_cast<void>(ucp_tag_msg_recv_nbx(worker_.handle(), &sink, 0, msg, &prm));
     ++n;
   }
   return n;
