@@ -128,3 +128,38 @@ def test_ranks_exit_cleanly_after_the_mismatches():
     _, closed = _run()
     bad = [o for o in closed if o.exc_type == "Hang" or o.exit_code != 0]
     assert not bad, [(o.rank, o.exit_code, o.exc_type, o.exc_msg) for o in bad]
+
+
+def _freed_after_a_mismatch(ctx):
+    """A mismatched all_reduce big enough for rendezvous, on tensors made unreadable right after
+    it failed (as if freed), then a good all_reduce on both ranks.
+
+    The failed call leaves one rank's rendezvous send posted (cancel() cannot take back a send
+    whose announcement the peer holds). The peer's next call drops that message; it used to
+    receive it in full, so UCX read the freed tensor: a segfault on both ranks.
+    """
+    import ctypes
+    import mmap
+
+    me, n = ctx.rank, 300_000
+    page = mmap.PAGESIZE
+    raw = mmap.mmap(-1, -(-n * 4 // page) * page)
+    t = torch.frombuffer(raw, dtype=torch.float32, count=n)
+    t.fill_(me + 1)
+    r = expect_raises(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM if me == 0 else dist.ReduceOp.MAX))
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(addr, len(raw), 0) == 0, ctypes.get_errno()  # PROT_NONE: reading crashes
+    good = torch.full((n,), float(me + 1))
+    dist.all_reduce(good)
+    r["after"] = bool(torch.equal(good, torch.full((n,), 3.0)))
+    return r
+
+
+def test_a_failed_calls_freed_tensors_are_not_read():
+    outs, closed = mp.run_once(_freed_after_a_mismatch, 2, backend=BACKEND, pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    for rank, o in enumerate(outs):
+        _check_right_rank(o.value, rank, "MAX", "SUM")
+        assert o.value["after"], f"rank {rank}: the all_reduce after the failed one was wrong"
