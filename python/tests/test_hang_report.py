@@ -89,6 +89,9 @@ def test_timeout_names_the_rank_that_skipped_the_call(hang_run):
         assert r["raised"], f"rank {o.rank}: the all_reduce rank 2 skipped returned"
         msg = r["msg"]
         assert "Timed out" in msg, msg
+        # How long the collective ran, not the last slice of its wait ("Timed out after 3 ms")
+        took = re.search(r"Timed out after (\d+) ms", msg)
+        assert took and int(took.group(1)) >= HANG_PG_TIMEOUT * 1000 * 0.9, msg
         m = re.search(r"rank 2 has not reached this call: it last issued and completed allreduce #(\d+)", msg)
         assert m, f"rank {o.rank}: the error does not say what rank 2 last did: {msg}"
         late = int(m.group(1))

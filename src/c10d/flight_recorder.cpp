@@ -303,11 +303,13 @@ std::exception_ptr FlightRecorder::finished(std::uint64_t seq, std::exception_pt
     }
   }
   const char* op = "";
+  std::int64_t ran_us = -1;
   {
     std::lock_guard<std::mutex> lk(mu_);
     Entry* e = find_locked(seq);
     if (e != nullptr) {
       e->finished_us = t;
+      if (e->started_us > 0) ran_us = t - e->started_us;
       e->state = !error ? State::kCompleted : timed_out ? State::kTimedOut : State::kFailed;
       op = e->op;
       if (!error) {
@@ -323,8 +325,17 @@ std::exception_ptr FlightRecorder::finished(std::uint64_t seq, std::exception_pt
   try {
     std::rethrow_exception(error);
   } catch (const Error& e) {
+    // The core names the length of the last wait it made, which a collective waits in slices
+    // (to look for other calls between them): say how long the collective ran instead.
+    std::string reason = e.reason();
+    const std::string lead = "Timed out after ";
+    const std::size_t at = reason.find(lead);
+    const std::size_t ms = at == std::string::npos ? at : reason.find(" ms", at);
+    if (ms != std::string::npos && ran_us >= 0) {
+      reason.replace(at + lead.size(), ms - at - lead.size(), std::to_string(ran_us / 1000));
+    }
     return std::make_exception_ptr(
-        Error(e.code(), e.site(), e.reason() + ". " + text, e.still_posted()));
+        Error(e.code(), e.site(), reason + ". " + text, e.still_posted()));
   } catch (...) {
   }
   return error;  // not reached: only a commux::Error is a timeout here
