@@ -157,9 +157,61 @@ def _freed_after_a_mismatch(ctx):
     return r
 
 
+@pytest.mark.ucx_semantics  # gloo has no call checks
 def test_a_failed_calls_freed_tensors_are_not_read():
     outs, closed = mp.run_once(_freed_after_a_mismatch, 2, backend=BACKEND, pg_timeout_s=60, timeout=120)
     assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
     for rank, o in enumerate(outs):
         _check_right_rank(o.value, rank, "MAX", "SUM")
         assert o.value["after"], f"rank {rank}: the all_reduce after the failed one was wrong"
+
+
+ROOT_PATTERNS = {  # world size -> (collective, each rank's root) cases; the last ones agree
+    2: [("broadcast", (0, 1)), ("scatter", (0, 1)), ("broadcast", (1, 1)), ("scatter", (0, 0))],
+    3: [("broadcast", (0, 1, 2)), ("broadcast", (0, 1, 1)), ("broadcast", (0, 0, 2)),
+        ("scatter", (0, 1, 2)), ("scatter", (0, 2, 2)), ("broadcast", (2, 2, 2)), ("scatter", (1, 1, 1))],
+}
+
+
+def _disagreeing_roots(ctx):
+    """Ranks that disagree on a broadcast's or scatter's root: a root receives nothing, so each
+    self-made root used to return its own data with no error anywhere. Each case is followed by
+    four all_reduces; what each of them raised (or that it gave the right sum) is recorded."""
+    me, w = ctx.rank, ctx.world
+    out = []
+    for op, roots in ROOT_PATTERNS[w]:
+        t = torch.full((4,), float(me))
+        if op == "broadcast":
+            first = expect_raises(lambda: dist.broadcast(t, src=roots[me]))
+        else:
+            parts = [torch.full((4,), 10.0 * (me + 1) + j) for j in range(w)] if roots[me] == me else None
+            first = expect_raises(lambda: dist.scatter(t, parts, src=roots[me]))
+        after = []
+        for _ in range(4):
+            x = torch.ones(3)
+            r = expect_raises(lambda: dist.all_reduce(x))
+            right = torch.equal(x, torch.full((3,), float(w)))
+            after.append(r["msg"] if r["raised"] else ("right" if right else "WRONG"))
+        out.append({"first": first, "after": after, "got": t.tolist()})
+    return out
+
+
+@pytest.mark.ucx_semantics  # gloo returns each self-made root's own data, silently
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_on_the_root_are_told(world):
+    outs, closed = mp.run_once(_disagreeing_roots, world, backend=BACKEND, pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    for i, (op, roots) in enumerate(ROOT_PATTERNS[world]):
+        agree = len(set(roots)) == 1
+        for rank, o in enumerate(outs):
+            case = o.value[i]
+            what = f"{op} with roots {roots}, rank {rank}"
+            assert not case["first"]["raised"] or not agree, f"{what}: {case['first']}"
+            assert case["after"][-1] == "right", f"{what}: the last all_reduce after it: {case['after']}"
+            errors = [a for a in case["after"] if a not in ("right", "WRONG")]
+            assert "WRONG" not in case["after"], f"{what}: {case['after']}"
+            if agree:
+                assert not errors, f"{what}: an error although the ranks agree: {errors}"
+            elif not case["first"]["raised"]:
+                assert errors, f"{what}: no rank was told (got {case['got']}); after: {case['after']}"
+                assert any(f"{op} #" in e and "differed" in e for e in errors), f"{what}: {errors}"

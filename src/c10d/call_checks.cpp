@@ -8,6 +8,12 @@
 //     sends before it learnt). They are dropped before each later collective runs, until the
 //     call's tags come round again (65536 calls: a call's messages carry the low 16 bits of its
 //     tag), so they never pair with a later call and never wait in UCX forever.
+//   * A broadcast or scatter root completes without receiving anything, so ranks that disagree
+//     on the root (each passing its own rank, say) could all return with no error and different
+//     data. Every rank's call then sends this root a message it never takes (from its parent in
+//     another rank's tree, or from another self-made root). Before each of the next few
+//     collectives, this rank looks for such a message; finding one, it fails the collective about
+//     to run, on every rank, saying which earlier call went wrong.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -24,6 +30,10 @@ namespace {
 constexpr std::uint32_t kDeadFor = 60000;
 // At most this many dead calls are remembered (the oldest goes first).
 constexpr std::size_t kMaxDead = 64;
+// Collectives before which a root call's stray messages are looked for: by the second, this rank
+// has received the next call's messages, sent after the root call's by every peer.
+constexpr int kRootLooks = 3;
+constexpr std::size_t kMaxRootCalls = 16;
 
 }  // namespace
 
@@ -71,6 +81,49 @@ void ProcessGroupUCX::Impl::drain_dead(std::uint32_t current) {
     ++it;
   }
   any_dead_.store(!dead_.empty(), std::memory_order_release);
+}
+
+void ProcessGroupUCX::Impl::note_root_call(std::uint32_t tag, const char* op) {
+  std::lock_guard<std::mutex> lk(dead_mu_);
+  if (root_calls_.size() >= kMaxRootCalls) root_calls_.erase(root_calls_.begin());
+  root_calls_.push_back(RootCall{tag, op, kRootLooks});
+  any_root_calls_.store(true, std::memory_order_release);
+}
+
+void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* current_op) {
+  auto& chan = ::commux::detail::channel(*comm_);
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lk(dead_mu_);
+    for (auto it = root_calls_.begin(); it != root_calls_.end();) {
+      if (it->tag == current) {  // not before itself
+        ++it;
+        continue;
+      }
+      ::commux::detail::Unexpected u{};
+      if (chan.probe(TagKind::kInternal, kAnySource, it->tag, 0xFFFF, &u)) {
+        chan.discard(TagKind::kInternal, it->tag, 0xFFFF);
+        reason = "rank " + std::to_string(u.sender) + " sent this rank a message for call #" +
+                 std::to_string(it->tag) + ", " + it->op + " #" + std::to_string(it->tag) +
+                 " here, which this rank ran as its root and finished without receiving " +
+                 "anything: the ranks' calls #" + std::to_string(it->tag) +
+                 " differed (their roots, say), so its results are wrong on some ranks";
+        root_calls_.erase(it);
+        break;
+      }
+      it = --it->looks_left > 0 ? it + 1 : root_calls_.erase(it);
+    }
+    any_root_calls_.store(!root_calls_.empty(), std::memory_order_release);
+  }
+  if (reason.empty()) return;
+  coll::Context c;
+  c.comm = comm_.get();
+  c.tag = current;
+  c.op_name = current_op;
+  coll::reject(c, reason);  // the others' call #current fails at once, with this reason
+  throw Error(Errc::kCallMismatch, ErrorSite{current_op, {}, {}, {}, group_name_},
+              reason + "; this call (#" + std::to_string(current) + ") did not run (" + where() +
+                  ")");
 }
 
 }  // namespace commux

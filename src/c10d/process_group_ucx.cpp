@@ -562,6 +562,7 @@ std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
   recorder_->started(t.tag);
   try {
     if (any_dead_.load(std::memory_order_acquire)) drain_dead(t.tag);
+    if (any_root_calls_.load(std::memory_order_acquire)) check_root_calls(t.tag, t.op_name);
     run(t);
   } catch (...) {
     err = std::current_exception();
@@ -1033,6 +1034,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(
   return enqueue(c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp, {}, tensors,
                  [this, t, root](std::uint32_t tag, Clock::time_point dl) {
                    coll::broadcast(context("broadcast", tag, dl, t), t.data_ptr(), nbytes(t), root);
+                   if (root == getRank() && getSize() > 1) note_root_call(tag, "broadcast");
                  });
 }
 
@@ -1247,6 +1249,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
                    coll::scatter(context(op, tag, dl, out), in ? in->data() : nullptr,
                                  out.data_ptr(), nbytes(out), root);
                    if (in) in->done();
+                   if (root == getRank() && getSize() > 1) note_root_call(tag, op);
                  });
 }
 

@@ -176,6 +176,14 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // dropped before each later call (drain_dead), until its tags come round again.
   void note_dead(std::uint32_t tag, std::uint32_t ntags);
   void drain_dead(std::uint32_t current);
+  // A broadcast or scatter that this rank ran as its root: the only calls a rank completes
+  // without receiving anything, so the only ones whose mismatch (the ranks disagreeing on the
+  // root) can go unnoticed there. Messages that arrive for such a call afterwards show the other
+  // ranks were in another call: check_root_calls() looks before the next few collectives run.
+  void note_root_call(std::uint32_t tag, const char* op);
+  // Throws (after telling the other ranks of call `current`) when a message of a noted root call
+  // has arrived: that call's results are wrong on some rank, and nothing else would say so.
+  void check_root_calls(std::uint32_t current, const char* current_op);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
   void serve() override;
@@ -275,6 +283,13 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::mutex dead_mu_;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> dead_;  // [dead_mu_] (tag, ntags)
   std::atomic<bool> any_dead_{false};                          // = !dead_.empty()
+  struct RootCall {
+    std::uint32_t tag;
+    const char* op;
+    int looks_left;  // collectives before which it is still looked for
+  };
+  std::vector<RootCall> root_calls_;         // [dead_mu_]
+  std::atomic<bool> any_root_calls_{false};  // = !root_calls_.empty()
   std::uint64_t collectives_issued_ = 0;
   // The collectives' streams and DeviceOps per device (device tensors).
   std::unique_ptr<c10d_detail::DeviceStreams> streams_;
