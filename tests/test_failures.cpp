@@ -94,7 +94,7 @@ TEST(Failures, ADiscardedRendezvousSendIsNotRead) {
       Buffer b{p, bytes};
       Request s = ch.post_send(&b, 1, 1, TagKind::kInternal, kTag);
       CX_CHECK(::mprotect(p, bytes, PROT_NONE) == 0);  // reading it now crashes this rank
-      handshake(c);                                     // rank 1 discards after this
+      handshake(c);                                    // rank 1 discards after this
       try {
         s.wait(std::chrono::milliseconds(20000));
       } catch (const Error& e) {

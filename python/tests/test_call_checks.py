@@ -68,6 +68,14 @@ def _cases(ctx):
     z = torch.ones(200, dtype=torch.float32) if me == 0 else torch.ones(100, dtype=torch.float64)
     res["dtype_allreduce"] = expect_raises(lambda: dist.all_reduce(z))
     res["after_dtype"] = _sums(me)
+    # AVG is a SUM then a division on each rank: AVG on one rank and SUM on the other used to
+    # return 1.0 on one and 2.0 on the other, silently
+    a = torch.ones(1000)
+    res["avg_sum"] = expect_raises(lambda: dist.all_reduce(a, op=dist.ReduceOp.AVG if me == 0 else dist.ReduceOp.SUM))
+    b = torch.ones(2000)
+    res["avg_sum_rs"] = expect_raises(lambda: dist.reduce_scatter_tensor(
+        torch.zeros(1000), b, op=dist.ReduceOp.SUM if me == 0 else dist.ReduceOp.AVG))
+    res["after_avg"] = _sums(me)
     dist.barrier()
     return res
 
@@ -99,6 +107,15 @@ def test_later_calls_give_right_results(after):
     v, _ = _run()
     for rank in (0, 1):
         assert v[rank][after] == [21.0, 41.0], f"rank {rank} {after}: {v[rank][after]}"
+
+
+@pytest.mark.ucx_semantics  # gloo returns the average on one rank and the sum on the other
+@pytest.mark.parametrize("key", ["avg_sum", "avg_sum_rs"])
+def test_avg_on_one_rank_and_sum_on_another_fail_on_both(key):
+    v, _ = _run()
+    for rank in (0, 1):
+        _check_right_rank(v[rank][key], rank, "averaged SUM")
+    assert v[0]["after_avg"] == [21.0, 41.0] and v[1]["after_avg"] == [21.0, 41.0], v
 
 
 def test_collectives_of_different_kinds_fail_on_both_ranks_naming_both_calls():

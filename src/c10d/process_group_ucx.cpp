@@ -882,6 +882,22 @@ coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t 
   return c;
 }
 
+namespace {
+// What a collective cannot see of a reduction (AVG divides and PREMUL_SUM scales around a SUM):
+// part of the call's fingerprint and description, so ranks that disagree (AVG on one, SUM on
+// another) fail instead of returning different results.
+coll::Context reducing(coll::Context c, const Reduction& r) {
+  const std::uint64_t kind = (r.average ? 1u : 0u) | (r.pre_scale != 1.0 ? 2u : 0u);
+  if (kind == 0) return c;
+  c.call_key ^= kind << 40;
+  thread_local std::string text;
+  text = std::string(c.call_text != nullptr ? c.call_text : "") +
+         (r.average ? ", averaged" : ", premultiplied");
+  c.call_text = text.c_str();
+  return c;
+}
+}  // namespace
+
 // --- point-to-point -----------------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::post_p2p(c10d::OpType type,
@@ -940,9 +956,9 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
     c10d_detail::throw_torch_error(std::current_exception());
   }
   // A receive must be filled exactly: torch cannot report a shorter message's length.
-  auto w = c10::make_intrusive<P2PWork>(
-      getRank(), type, std::move(r), tensors, timeout_, comm_->options().shutdown_timeout,
-      type == c10d::OpType::SEND ? nullptr : where_, tag);
+  auto w = c10::make_intrusive<P2PWork>(getRank(), type, std::move(r), tensors, timeout_,
+                                        comm_->options().shutdown_timeout,
+                                        type == c10d::OpType::SEND ? nullptr : where_, tag);
   keep_until_done(w);
   return w;
 }
@@ -1051,8 +1067,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(
   return enqueue(c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, opts.asyncOp, {}, tensors,
                  [this, t, r, dt, size](std::uint32_t tag, Clock::time_point dl) mutable {
                    apply_scale(t, r.pre_scale);
-                   coll::allreduce(context("allreduce", tag, dl, t), t.data_ptr(), t.numel(), dt,
-                                   r.op);
+                   coll::allreduce(reducing(context("allreduce", tag, dl, t), r), t.data_ptr(),
+                                   t.numel(), dt, r.op);
                    if (r.average) apply_average(t, size);
                  });
 }
@@ -1082,7 +1098,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_coalesced(
                    at::Tensor flat =
                        count > 0 ? at::from_blob(buf.data(), {count}, ts[0].options()) : ts[0];
                    apply_scale(flat, red.pre_scale);
-                   coll::allreduce(context(op, tag, dl, flat), buf.data(),
+                   coll::allreduce(reducing(context(op, tag, dl, flat), red), buf.data(),
                                    static_cast<std::size_t>(count),
                                    to_dtype(op, ts[0].scalar_type()), red.op);
                    if (red.average) apply_average(flat, size);
@@ -1105,8 +1121,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Ten
                    // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
                    at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
                    apply_scale(buf, r.pre_scale);
-                   coll::reduce(context("reduce", tag, dl, buf), buf.data_ptr(), buf.numel(), dt,
-                                r.op, root);
+                   coll::reduce(reducing(context("reduce", tag, dl, buf), r), buf.data_ptr(),
+                                buf.numel(), dt, r.op, root);
                    if (is_root && r.average) apply_average(buf, size);
                  });
 }
@@ -1283,19 +1299,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter(
   auto ins = inputs[0];
   const int size = getSize();
   const std::vector<std::size_t> each(ins.size(), nbytes(out));
-  return enqueue(c10d::OpType::REDUCE_SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
-                 [this, ins, out, each, r, size, op](std::uint32_t tag, Clock::time_point dl) {
-                   if (r.pre_scale != 1.0) {  // PREMUL_SUM: scales a copy
-                     std::vector<at::Tensor> parts;
-                     for (auto& i : ins) parts.push_back(i.reshape({-1}));
-                     run_reduce_scatter(context(op, tag, dl, out), at::cat(parts), out, r, size);
-                     return;
-                   }
-                   ListBuffer in(ins, each, out, out.data_ptr(), nbytes(out));
-                   in.pack();
-                   reduce_scatter_into(context(op, tag, dl, out), in.data(), out, r, size);
-                   in.done();
-                 });
+  return enqueue(
+      c10d::OpType::REDUCE_SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
+      [this, ins, out, each, r, size, op](std::uint32_t tag, Clock::time_point dl) {
+        if (r.pre_scale != 1.0) {  // PREMUL_SUM: scales a copy
+          std::vector<at::Tensor> parts;
+          for (auto& i : ins) parts.push_back(i.reshape({-1}));
+          run_reduce_scatter(reducing(context(op, tag, dl, out), r), at::cat(parts), out, r, size);
+          return;
+        }
+        ListBuffer in(ins, each, out, out.data_ptr(), nbytes(out));
+        in.pack();
+        reduce_scatter_into(reducing(context(op, tag, dl, out), r), in.data(), out, r, size);
+        in.done();
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_reduce_scatter_base(
@@ -1309,7 +1326,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_reduce_scatter_base(
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
                  [this, in, out, r, size, op](std::uint32_t tag, Clock::time_point dl) {
                    // The input is not modified: PREMUL_SUM scales a copy.
-                   run_reduce_scatter(context(op, tag, dl, out),
+                   run_reduce_scatter(reducing(context(op, tag, dl, out), r),
                                       r.pre_scale != 1.0 ? in.clone()
                                                          : unaliased(in, out, out, in, getRank()),
                                       out, r, size);
@@ -1331,7 +1348,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter_tensor_coal
       torch_compat::kReduceScatterTensorCoalesced, op, opts.timeout, opts.asyncOp, ins, outs,
       [this, ins, outs, rs, size, op](std::uint32_t tag, Clock::time_point dl) {
         for (std::size_t i = 0; i < ins.size(); ++i) {
-          run_reduce_scatter(context(op, tag + i, dl, outs[i]),
+          run_reduce_scatter(reducing(context(op, tag + i, dl, outs[i]), rs[i]),
                              rs[i].pre_scale != 1.0 ? ins[i].clone() : ins[i], outs[i], rs[i],
                              size);
         }

@@ -259,8 +259,11 @@ std::exception_ptr P2PWork::outcome() const {
   }
   return std::make_exception_ptr(Error(
       Errc::kCallMismatch,
-      ErrorSite{retrieveOpType() == c10d::OpType::RECVANYSOURCE ? "recvAnysource" : "recv", from,
-                static_cast<std::uint64_t>(tag_), exact_bytes_, {}},
+      ErrorSite{retrieveOpType() == c10d::OpType::RECVANYSOURCE ? "recvAnysource" : "recv",
+                from,
+                static_cast<std::uint64_t>(tag_),
+                exact_bytes_,
+                {}},
       "the message from rank " + std::to_string(from) + " with tag " + std::to_string(tag_) +
           " is " + std::to_string(got) + " bytes, but " + held + " (" + *exact_where_ +
           "). A receive must be filled exactly: torch cannot say how much arrived, so the rest "
@@ -489,7 +492,8 @@ bool P2PWork::poll_future() {
   }
   if (pending) {
     auto e = outcome();
-    if (e && cancel_asked_.load()) e = after_cancel(request_, outcome(), timeout_error(), cancel_bound_);
+    if (e && cancel_asked_.load())
+      e = after_cancel(request_, outcome(), timeout_error(), cancel_bound_);
     if (e) {
       f->setError(to_torch_error(e));
     } else {
