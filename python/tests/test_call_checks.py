@@ -76,6 +76,10 @@ def _cases(ctx):
     res["avg_sum_rs"] = expect_raises(lambda: dist.reduce_scatter_tensor(
         torch.zeros(1000), b, op=dist.ReduceOp.SUM if me == 0 else dist.ReduceOp.AVG))
     res["after_avg"] = _sums(me)
+    # PREMUL_SUM's factor is each rank's own (1.0 here, 2.0 there): not a disagreement
+    c = torch.full((1000,), float(me + 1))
+    res["premul_factors"] = expect_raises(lambda: dist.all_reduce(c, op=dist._make_nccl_premul_sum(1.0 + me)))
+    res["premul_value"] = c[0].item()  # 1.0 * 1 + 2.0 * 2
     dist.barrier()
     return res
 
@@ -116,6 +120,14 @@ def test_avg_on_one_rank_and_sum_on_another_fail_on_both(key):
     for rank in (0, 1):
         _check_right_rank(v[rank][key], rank, "averaged SUM")
     assert v[0]["after_avg"] == [21.0, 41.0] and v[1]["after_avg"] == [21.0, 41.0], v
+
+
+@pytest.mark.ucx_semantics  # gloo has no PREMUL_SUM
+def test_premul_sum_factors_may_differ_between_ranks():
+    v, _ = _run()
+    for rank in (0, 1):
+        assert not v[rank]["premul_factors"]["raised"], v[rank]["premul_factors"]
+        assert v[rank]["premul_value"] == 5.0, v[rank]
 
 
 def test_collectives_of_different_kinds_fail_on_both_ranks_naming_both_calls():

@@ -887,7 +887,7 @@ namespace {
 // part of the call's fingerprint and description, so ranks that disagree (AVG on one, SUM on
 // another) fail instead of returning different results.
 coll::Context reducing(coll::Context c, const Reduction& r) {
-  const std::uint64_t kind = (r.average ? 1u : 0u) | (r.pre_scale != 1.0 ? 2u : 0u);
+  const std::uint64_t kind = (r.average ? 1u : 0u) | (r.premul ? 2u : 0u);
   if (kind == 0) return c;
   c.call_key ^= kind << 40;
   thread_local std::string text;

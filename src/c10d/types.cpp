@@ -114,6 +114,7 @@ Reduction to_reduction(const char* op, const c10d::ReduceOp& r, at::ScalarType s
   } else if (r.op_ == c10d::ReduceOp::PREMUL_SUM) {
     auto* s = dynamic_cast<torch_compat::PreMulSumSupplement*>(r.supplement_.get());
     if (s == nullptr) invalid(op, "PREMUL_SUM without a factor");
+    out.premul = true;
     out.pre_scale = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
   }
   try {

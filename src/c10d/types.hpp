@@ -30,6 +30,7 @@ const char* c10d_op_name(c10d::ReduceOp::RedOpType t);
 struct Reduction {
   ReduceOp op = ReduceOp::kSum;
   double pre_scale = 1.0;  // PREMUL_SUM: applied to the inputs
+  bool premul = false;     // PREMUL_SUM (whatever its factor, which may differ between ranks)
   bool average = false;    // AVG: the result is divided by the group size
 };
 
