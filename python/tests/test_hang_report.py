@@ -99,6 +99,28 @@ def test_timeout_names_the_rank_that_skipped_the_call(hang_run):
         assert f"Hang report (group '0', allreduce #{late + 1}, from rank {o.rank})" in msg, msg
 
 
+def _roots_of_their_own(ctx):
+    """Each rank reduces to itself (then, on a fresh slate, the ranks reduce to root 0 with sizes
+    that differ): every rank receives and none sends, so the call waits out the timeout."""
+    me = ctx.rank
+    r = {"root": expect_raises(lambda: dist.reduce(torch.ones(4), dst=me))}
+    r["size"] = expect_raises(lambda: dist.reduce(torch.ones(4 + me), dst=0))
+    return r
+
+
+def test_the_report_says_the_waiting_ranks_disagree_on_the_root():
+    outs, _ = mp.run_once(_roots_of_their_own, 2, backend=BACKEND, pg_timeout_s=HANG_PG_TIMEOUT, timeout=90)
+    assert all(o.ok for o in outs), _describe(outs)
+    for o in outs:
+        msg = o.value["root"]["msg"]
+        assert "ranks 0,1 are waiting in reduce #0, but their calls differ in root" in msg, msg
+        assert "rank 0: 16 bytes, root 0; rank 1: 16 bytes, root 1" in msg, msg
+    # Sizes that differ are caught by the call checks at once where a message pairs (rank 1's
+    # arrives at root 0 with another fingerprint), so no hang report is needed there.
+    r0 = outs[0].value["size"]
+    assert r0["raised"] and "Hang report" not in r0["msg"] and r0["s"] < HANG_PG_TIMEOUT, r0
+
+
 def test_every_rank_dumps_its_record(hang_run):
     outs, _, dumps = hang_run
     problems = []

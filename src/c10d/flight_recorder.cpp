@@ -158,6 +158,8 @@ struct Answer {
   struct Item {
     std::uint64_t seq;
     std::string op, state;
+    std::uint64_t bytes;
+    int root;
   };
   std::vector<Item> entries;  // oldest first
 };
@@ -179,7 +181,8 @@ Answer parse_answer(const std::vector<std::uint8_t>& raw) {
       a.has_completed = static_cast<bool>(l >> a.completed_seq >> a.completed_op);
     } else if (word == "entry") {
       Answer::Item it{};
-      if (l >> it.seq >> it.op >> it.state) a.entries.push_back(it);
+      it.root = -1;
+      if (l >> it.seq >> it.op >> it.state >> it.bytes >> it.root) a.entries.push_back(it);
     }
   }
   return a;
@@ -266,10 +269,10 @@ FlightRecorder::~FlightRecorder() {
   }
 }
 
-void FlightRecorder::issued(std::uint64_t seq, const char* op, std::size_t bytes) {
+void FlightRecorder::issued(std::uint64_t seq, const char* op, std::size_t bytes, int root) {
   const std::int64_t t = now_us();
   std::lock_guard<std::mutex> lk(mu_);
-  ring_[count_ % kCapacity] = Entry{seq, op, bytes, State::kIssued, t, 0, 0};
+  ring_[count_ % kCapacity] = Entry{seq, op, bytes, State::kIssued, t, 0, 0, root};
   ++count_;
 }
 
@@ -353,7 +356,8 @@ std::string FlightRecorder::answer_locked(std::int64_t gen) const {
   const std::uint64_t n = std::min<std::uint64_t>(count_, kCapacity);
   for (std::uint64_t i = count_ - n; i < count_; ++i) {
     const Entry& e = ring_[i % kCapacity];
-    s << "entry " << e.seq << " " << e.op << " " << state_name(e.state) << "\n";
+    s << "entry " << e.seq << " " << e.op << " " << state_name(e.state) << " " << e.bytes << " "
+      << e.root << "\n";
   }
   return s.str();
 }
@@ -416,7 +420,8 @@ std::string FlightRecorder::report(std::uint64_t seq, const char* op) {
     }
   }
   std::vector<int> waiting, silent;
-  std::vector<std::string> parts;  // about the ranks that are not where this one is
+  std::vector<const Answer::Item*> waiting_in;  // their entries for this call
+  std::vector<std::string> parts;               // about the ranks that are not where this one is
   for (int r = 0; r < size_; ++r) {
     auto it = got.find(r);
     if (it == got.end()) {
@@ -441,6 +446,7 @@ std::string FlightRecorder::report(std::uint64_t seq, const char* op) {
       parts.push_back(rs + " timed out in it and went on: " + what_it_last_did(a));
     } else if (here != nullptr) {
       waiting.push_back(r);  // running, or timed out just now as this rank did
+      waiting_in.push_back(here);
     } else if (!a.has_issued || a.issued_seq < seq) {
       parts.push_back(rs + " has not reached this call: " + what_it_last_did(a));
     } else if (!a.entries.empty() && a.entries.front().seq > seq) {
@@ -454,6 +460,28 @@ std::string FlightRecorder::report(std::uint64_t seq, const char* op) {
   if (!waiting.empty()) {
     s += std::string(parts.empty() ? "" : "; ") + rank_list(waiting) +
          (waiting.size() == 1 ? " is" : " are") + " waiting in " + op + " #" + std::to_string(seq);
+    // Ranks that wait in one call but disagree on its root or size each wait for a message the
+    // others will never send: say so, with what each of them was given.
+    const auto differs = [&](auto field) {
+      return std::any_of(waiting_in.begin(), waiting_in.end(),
+                         [&](const Answer::Item* e) { return field(*e) != field(*waiting_in[0]); });
+    };
+    const bool roots = differs([](const Answer::Item& e) { return e.root; });
+    // (Sizes only where every rank's output is the same size: gathers, scatters and all-to-alls
+    // have ranks of different sizes by design.)
+    const std::string o = op;
+    const bool same_size = o == "allreduce" || o == "broadcast" || o == "reduce";
+    const bool sizes = same_size && differs([](const Answer::Item& e) { return e.bytes; });
+    if (roots || sizes) {
+      s += std::string(", but their calls differ in ") + (roots ? "root" : "") +
+           (roots && sizes ? " and " : "") + (sizes ? "size" : "") + " (";
+      for (std::size_t i = 0; i < waiting.size(); ++i) {
+        s += (i ? "; rank " : "rank ") + std::to_string(waiting[i]) + ": " +
+             std::to_string(waiting_in[i]->bytes) + " bytes" +
+             (waiting_in[i]->root >= 0 ? ", root " + std::to_string(waiting_in[i]->root) : "");
+      }
+      s += ")";
+    }
   }
   if (!silent.empty()) {
     s += "; " + rank_list(silent) + " did not answer within " +
@@ -474,7 +502,9 @@ std::string FlightRecorder::json() const {
     s << (i + n == count_ ? "" : ", ") << "{\"seq\": " << e.seq << ", \"op\": " << json_string(e.op)
       << ", \"bytes\": " << e.bytes << ", \"state\": \"" << state_name(e.state)
       << "\", \"issued_us\": " << e.issued_us << ", \"started_us\": " << e.started_us
-      << ", \"finished_us\": " << e.finished_us << "}";
+      << ", \"finished_us\": " << e.finished_us;
+    if (e.root >= 0) s << ", \"root\": " << e.root;
+    s << "}";
   }
   s << "]}";
   return s.str();

@@ -58,7 +58,10 @@ class FlightRecorder {
   // A collective was issued (`op` is a string literal), started on the worker, finished. For a
   // timeout, finished() asks the other ranks (bounded by kAnswerWait), writes the dump where
   // COMMUX_TRACE_DUMP asks for it and returns the error with the hang report appended.
-  void issued(std::uint64_t seq, const char* op, std::size_t bytes);
+  // `root`: of a rooted collective (broadcast, reduce, gather, scatter); -1 for the others. The
+  // hang report compares the waiting ranks' bytes and roots: a call whose ranks disagree on them
+  // waits for ever where every rank only receives (each reduce to a root of its own, say).
+  void issued(std::uint64_t seq, const char* op, std::size_t bytes, int root = -1);
   void started(std::uint64_t seq);
   std::exception_ptr finished(std::uint64_t seq, std::exception_ptr error);
   // The answering thread's check for a question (see above); never throws.
@@ -79,6 +82,7 @@ class FlightRecorder {
     std::int64_t issued_us = 0;  // wall clock (microseconds since the epoch); 0: not yet
     std::int64_t started_us = 0;
     std::int64_t finished_us = 0;
+    int root = -1;
   };
 
  private:

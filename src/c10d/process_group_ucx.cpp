@@ -749,7 +749,7 @@ std::chrono::milliseconds ProcessGroupUCX::Impl::effective(
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     c10d::OpType type, const char* op_name, std::chrono::milliseconds op_timeout, bool async_op,
     std::vector<at::Tensor> keep_alive, std::vector<at::Tensor> outputs, Body body,
-    std::uint32_t ntags) {
+    std::uint32_t ntags, int root) {
   auto t = std::make_shared<Task>();
   t->op_name = op_name;
   t->type = type;
@@ -803,7 +803,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     t->tag = next_tag_;
     t->ntags = ntags;
     next_tag_ += ntags;
-    recorder_->issued(t->tag, op_name, bytes);
+    recorder_->issued(t->tag, op_name, bytes, root);
     ++collectives_issued_;
     t->spin = small ? spin_ : std::chrono::microseconds(0);
     if (caller_runs_) t->gate = gate_;
@@ -1047,11 +1047,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(
   const at::Tensor t = single("broadcast", tensors);
   check_root("broadcast", opts.rootRank, getSize());
   const int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp, {}, tensors,
-                 [this, t, root](std::uint32_t tag, Clock::time_point dl) {
-                   coll::broadcast(context("broadcast", tag, dl, t), t.data_ptr(), nbytes(t), root);
-                   if (root == getRank() && getSize() > 1) note_root_call(tag, "broadcast");
-                 });
+  return enqueue(
+      c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp, {}, tensors,
+      [this, t, root](std::uint32_t tag, Clock::time_point dl) {
+        coll::broadcast(context("broadcast", tag, dl, t), t.data_ptr(), nbytes(t), root);
+        if (root == getRank() && getSize() > 1) note_root_call(tag, "broadcast");
+      },
+      1, root);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce(
@@ -1116,15 +1118,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Ten
   const int root = static_cast<int>(opts.rootRank);
   const int size = getSize();
   const bool is_root = getRank() == root;
-  return enqueue(c10d::OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp, {}, tensors,
-                 [this, t, r, dt, root, size, is_root](std::uint32_t tag, Clock::time_point dl) {
-                   // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
-                   at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
-                   apply_scale(buf, r.pre_scale);
-                   coll::reduce(reducing(context("reduce", tag, dl, buf), r), buf.data_ptr(),
-                                buf.numel(), dt, r.op, root);
-                   if (is_root && r.average) apply_average(buf, size);
-                 });
+  return enqueue(
+      c10d::OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp, {}, tensors,
+      [this, t, r, dt, root, size, is_root](std::uint32_t tag, Clock::time_point dl) {
+        // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
+        at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
+        apply_scale(buf, r.pre_scale);
+        coll::reduce(reducing(context("reduce", tag, dl, buf), r), buf.data_ptr(), buf.numel(), dt,
+                     r.op, root);
+        if (is_root && r.average) apply_average(buf, size);
+      },
+      1, root);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather(
@@ -1234,14 +1238,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(
   const std::vector<at::Tensor> outs =
       root_list(op, outputs, in, getRank() == root, root, getSize(), "output");
   const std::vector<std::size_t> each(outs.size(), nbytes(in));
-  return enqueue(c10d::OpType::GATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
-                 [this, in, outs, each, root, op](std::uint32_t tag, Clock::time_point dl) {
-                   std::optional<ListBuffer> out;  // on the root only
-                   if (!outs.empty()) out.emplace(outs, each, in, in.data_ptr(), nbytes(in));
-                   coll::gather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
-                                out ? out->data() : nullptr, root);
-                   if (out) out->unpack();
-                 });
+  return enqueue(
+      c10d::OpType::GATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
+      [this, in, outs, each, root, op](std::uint32_t tag, Clock::time_point dl) {
+        std::optional<ListBuffer> out;  // on the root only
+        if (!outs.empty()) out.emplace(outs, each, in, in.data_ptr(), nbytes(in));
+        coll::gather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
+                     out ? out->data() : nullptr, root);
+        if (out) out->unpack();
+      },
+      1, root);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
@@ -1255,18 +1261,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
   const std::vector<at::Tensor> ins =
       root_list(op, inputs, out, getRank() == root, root, getSize(), "input");
   const std::vector<std::size_t> each(ins.size(), nbytes(out));
-  return enqueue(c10d::OpType::SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
-                 [this, ins, out, each, root, op](std::uint32_t tag, Clock::time_point dl) {
-                   std::optional<ListBuffer> in;  // on the root only
-                   if (!ins.empty()) {
-                     in.emplace(ins, each, out, out.data_ptr(), nbytes(out));
-                     in->pack();
-                   }
-                   coll::scatter(context(op, tag, dl, out), in ? in->data() : nullptr,
-                                 out.data_ptr(), nbytes(out), root);
-                   if (in) in->done();
-                   if (root == getRank() && getSize() > 1) note_root_call(tag, op);
-                 });
+  return enqueue(
+      c10d::OpType::SCATTER, op, opts.timeout, opts.asyncOp, ins, {out},
+      [this, ins, out, each, root, op](std::uint32_t tag, Clock::time_point dl) {
+        std::optional<ListBuffer> in;  // on the root only
+        if (!ins.empty()) {
+          in.emplace(ins, each, out, out.data_ptr(), nbytes(out));
+          in->pack();
+        }
+        coll::scatter(context(op, tag, dl, out), in ? in->data() : nullptr, out.data_ptr(),
+                      nbytes(out), root);
+        if (in) in->done();
+        if (root == getRank() && getSize() > 1) note_root_call(tag, op);
+      },
+      1, root);
 }
 
 namespace {

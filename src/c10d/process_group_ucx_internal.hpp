@@ -142,7 +142,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
                                          std::chrono::milliseconds op_timeout, bool async_op,
                                          std::vector<at::Tensor> keep_alive,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         std::uint32_t ntags = 1);
+                                         std::uint32_t ntags = 1, int root = -1);
   c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, const char* op_name,
                                           std::vector<at::Tensor>& tensors, int peer, int tag);
   // Posts a validated send or receive now.
