@@ -196,22 +196,31 @@ def test_a_failed_calls_freed_tensors_are_not_read():
 
 
 ROOT_PATTERNS = {  # world size -> (collective, each rank's root) cases; the last ones agree
-    2: [("broadcast", (0, 1)), ("scatter", (0, 1)), ("broadcast", (1, 1)), ("scatter", (0, 0))],
+    2: [("broadcast", (0, 1)), ("scatter", (0, 1)), ("reduce", (1, 0)), ("gather", (1, 0)),
+        ("broadcast", (1, 1)), ("scatter", (0, 0)), ("reduce", (1, 1)), ("gather", (0, 0))],
     3: [("broadcast", (0, 1, 2)), ("broadcast", (0, 1, 1)), ("broadcast", (0, 0, 2)),
-        ("scatter", (0, 1, 2)), ("scatter", (0, 2, 2)), ("broadcast", (2, 2, 2)), ("scatter", (1, 1, 1))],
+        ("scatter", (0, 1, 2)), ("scatter", (0, 2, 2)), ("reduce", (1, 2, 0)), ("gather", (2, 0, 1)),
+        ("broadcast", (2, 2, 2)), ("scatter", (1, 1, 1)), ("reduce", (2, 2, 2)), ("gather", (1, 1, 1))],
 }
 
 
 def _disagreeing_roots(ctx):
-    """Ranks that disagree on a broadcast's or scatter's root: a root receives nothing, so each
-    self-made root used to return its own data with no error anywhere. Each case is followed by
-    four all_reduces; what each of them raised (or that it gave the right sum) is recorded."""
+    """Ranks that disagree on a root where no rank's wait notices: a broadcast or scatter root
+    receives nothing, so each self-made root used to return its own data with no error anywhere;
+    reduce and gather ranks that each name another as the root all only send, so every call
+    returned and no rank held the result. Each case is followed by four all_reduces; what each of
+    them raised (or that it gave the right sum) is recorded."""
     me, w = ctx.rank, ctx.world
     out = []
     for op, roots in ROOT_PATTERNS[w]:
         t = torch.full((4,), float(me))
         if op == "broadcast":
             first = expect_raises(lambda: dist.broadcast(t, src=roots[me]))
+        elif op == "reduce":
+            first = expect_raises(lambda: dist.reduce(t, dst=roots[me]))
+        elif op == "gather":
+            parts = [torch.zeros(4) for _ in range(w)] if roots[me] == me else None
+            first = expect_raises(lambda: dist.gather(t, parts, dst=roots[me]))
         else:
             parts = [torch.full((4,), 10.0 * (me + 1) + j) for j in range(w)] if roots[me] == me else None
             first = expect_raises(lambda: dist.scatter(t, parts, src=roots[me]))

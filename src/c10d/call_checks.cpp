@@ -8,15 +8,19 @@
 //     sends before it learnt). They are dropped before each later collective runs, until the
 //     call's tags come round again (65536 calls: a call's messages carry the low 16 bits of its
 //     tag), so they never pair with a later call and never wait in UCX forever.
-//   * A broadcast or scatter root completes without receiving anything, so ranks that disagree
-//     on the root (each passing its own rank, say) could all return with no error and different
-//     data. Every rank's call then sends this root a message it never takes (from its parent in
-//     another rank's tree, or from another self-made root). Before each of the next few
-//     collectives, this rank looks for such a message; finding one, it fails the collective about
-//     to run, on every rank, saying which earlier call went wrong.
+//   * A broadcast or scatter root completes without receiving anything, and so may a reduce or
+//     gather rank that is not the root, so ranks that disagree on the root (each passing its own
+//     rank, or each another's) could all return with no error: different data from a broadcast,
+//     no rank holding a reduce's result. Such a disagreement sends one of these ranks a message
+//     it never takes (from its parent in another rank's tree, or from another self-made root or
+//     leaf). This rank looks for one before later collectives (a root before each of the next
+//     three: the calls are rare; a reduce or gather sender once, before the second call after
+//     it: one look per call, as a reduce in a loop pays it); finding one, it fails the
+//     collective about to run, on every rank, saying which earlier call went wrong.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "errors.hpp"
@@ -30,9 +34,6 @@ namespace {
 constexpr std::uint32_t kDeadFor = 60000;
 // At most this many dead calls are remembered (the oldest goes first).
 constexpr std::size_t kMaxDead = 64;
-// Collectives before which a root call's stray messages are looked for: by the second, this rank
-// has received the next call's messages, sent after the root call's by every peer.
-constexpr int kRootLooks = 3;
 constexpr std::size_t kMaxRootCalls = 16;
 
 }  // namespace
@@ -83,10 +84,10 @@ void ProcessGroupUCX::Impl::drain_dead(std::uint32_t current) {
   any_dead_.store(!dead_.empty(), std::memory_order_release);
 }
 
-void ProcessGroupUCX::Impl::note_root_call(std::uint32_t tag, const char* op) {
+void ProcessGroupUCX::Impl::note_root_call(std::uint32_t tag, const char* op, int skip, int looks) {
   std::lock_guard<std::mutex> lk(dead_mu_);
   if (root_calls_.size() >= kMaxRootCalls) root_calls_.erase(root_calls_.begin());
-  root_calls_.push_back(RootCall{tag, op, kRootLooks});
+  root_calls_.push_back(RootCall{tag, op, skip, looks});
   any_root_calls_.store(true, std::memory_order_release);
 }
 
@@ -100,18 +101,26 @@ void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* 
         ++it;
         continue;
       }
+      if (it->skip > 0) {
+        --it->skip;
+        ++it;
+        continue;
+      }
       ::commux::detail::Unexpected u{};
       if (chan.probe(TagKind::kInternal, kAnySource, it->tag, 0xFFFF, &u)) {
         chan.discard(TagKind::kInternal, it->tag, 0xFFFF);
         reason = "rank " + std::to_string(u.sender) + " sent this rank a message for call #" +
                  std::to_string(it->tag) + ", " + it->op + " #" + std::to_string(it->tag) +
-                 " here, which this rank ran as its root and finished without receiving " +
-                 "anything: the ranks' calls #" + std::to_string(it->tag) +
+                 " here, which this rank finished without receiving anything (as " +
+                 (std::strcmp(it->op, "reduce") == 0 || std::strcmp(it->op, "gather") == 0
+                      ? "a rank that only sends to the root"
+                      : "the root") +
+                 "): the ranks' calls #" + std::to_string(it->tag) +
                  " differed (their roots, say), so its results are wrong on some ranks";
         root_calls_.erase(it);
         break;
       }
-      it = --it->looks_left > 0 ? it + 1 : root_calls_.erase(it);
+      it = --it->looks > 0 ? it + 1 : root_calls_.erase(it);
     }
     any_root_calls_.store(!root_calls_.empty(), std::memory_order_release);
   }

@@ -1051,7 +1051,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::broadcast(
       c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp, {}, tensors,
       [this, t, root](std::uint32_t tag, Clock::time_point dl) {
         coll::broadcast(context("broadcast", tag, dl, t), t.data_ptr(), nbytes(t), root);
-        if (root == getRank() && getSize() > 1) note_root_call(tag, "broadcast");
+        if (root == getRank() && getSize() > 1) note_root_call(tag, "broadcast", 0, 3);
       },
       1, root);
 }
@@ -1127,6 +1127,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Ten
         coll::reduce(reducing(context("reduce", tag, dl, buf), r), buf.data_ptr(), buf.numel(), dt,
                      r.op, root);
         if (is_root && r.average) apply_average(buf, size);
+        if (!is_root) note_root_call(tag, "reduce", 1, 1);
       },
       1, root);
 }
@@ -1246,6 +1247,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(
         coll::gather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
                      out ? out->data() : nullptr, root);
         if (out) out->unpack();
+        if (root != getRank()) note_root_call(tag, op, 1, 1);
       },
       1, root);
 }
@@ -1272,7 +1274,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
         coll::scatter(context(op, tag, dl, out), in ? in->data() : nullptr, out.data_ptr(),
                       nbytes(out), root);
         if (in) in->done();
-        if (root == getRank() && getSize() > 1) note_root_call(tag, op);
+        if (root == getRank() && getSize() > 1) note_root_call(tag, op, 0, 3);
       },
       1, root);
 }

@@ -176,11 +176,12 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // dropped before each later call (drain_dead), until its tags come round again.
   void note_dead(std::uint32_t tag, std::uint32_t ntags);
   void drain_dead(std::uint32_t current);
-  // A broadcast or scatter that this rank ran as its root: the only calls a rank completes
-  // without receiving anything, so the only ones whose mismatch (the ranks disagreeing on the
-  // root) can go unnoticed there. Messages that arrive for such a call afterwards show the other
-  // ranks were in another call: check_root_calls() looks before the next few collectives run.
-  void note_root_call(std::uint32_t tag, const char* op);
+  // A call this rank finished without receiving anything: a broadcast or scatter it ran as the
+  // root, or a reduce or gather it was not the root of (each sends). Only in these can the ranks
+  // disagree on the root without anyone's wait noticing. Messages that arrive for such a call
+  // afterwards show the other ranks were in another call: check_root_calls() looks for them
+  // before the collectives after it run (`skip` of them first, then `looks`).
+  void note_root_call(std::uint32_t tag, const char* op, int skip, int looks);
   // Throws (after telling the other ranks of call `current`) when a message of a noted root call
   // has arrived: that call's results are wrong on some rank, and nothing else would say so.
   void check_root_calls(std::uint32_t current, const char* current_op);
@@ -286,7 +287,8 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   struct RootCall {
     std::uint32_t tag;
     const char* op;
-    int looks_left;  // collectives before which it is still looked for
+    int skip;   // collectives to let start before looking
+    int looks;  // collectives before which it is still looked for after that
   };
   std::vector<RootCall> root_calls_;         // [dead_mu_]
   std::atomic<bool> any_root_calls_{false};  // = !root_calls_.empty()
