@@ -109,13 +109,12 @@ void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* 
       ::commux::detail::Unexpected u{};
       if (chan.probe(TagKind::kInternal, kAnySource, it->tag, 0xFFFF, &u)) {
         chan.discard(TagKind::kInternal, it->tag, 0xFFFF);
+        const bool sender =
+            std::strcmp(it->op, "reduce") == 0 || std::strcmp(it->op, "gather") == 0;
         reason = "rank " + std::to_string(u.sender) + " sent this rank a message for call #" +
-                 std::to_string(it->tag) + ", " + it->op + " #" + std::to_string(it->tag) +
-                 " here, which this rank finished without receiving anything (as " +
-                 (std::strcmp(it->op, "reduce") == 0 || std::strcmp(it->op, "gather") == 0
-                      ? "a rank that only sends to the root"
-                      : "the root") +
-                 "): the ranks' calls #" + std::to_string(it->tag) +
+                 std::to_string(it->tag) + " (" + it->op + " #" + std::to_string(it->tag) +
+                 " here, which this rank ran as " + (sender ? "a sender to the root" : "the root") +
+                 ") that this rank never took: the ranks' calls #" + std::to_string(it->tag) +
                  " differed (their roots, say), so its results are wrong on some ranks";
         root_calls_.erase(it);
         break;
