@@ -330,13 +330,8 @@ std::exception_ptr FlightRecorder::finished(std::uint64_t seq, std::exception_pt
   } catch (const Error& e) {
     // The core names the length of the last wait it made, which a collective waits in slices
     // (to look for other calls between them): say how long the collective ran instead.
-    std::string reason = e.reason();
-    const std::string lead = "Timed out after ";
-    const std::size_t at = reason.find(lead);
-    const std::size_t ms = at == std::string::npos ? at : reason.find(" ms", at);
-    if (ms != std::string::npos && ran_us >= 0) {
-      reason.replace(at + lead.size(), ms - at - lead.size(), std::to_string(ran_us / 1000));
-    }
+    const std::string reason =
+        ran_us >= 0 ? with_wait_length(e.reason(), ran_us / 1000, /*anywhere=*/true) : e.reason();
     return std::make_exception_ptr(
         Error(e.code(), e.site(), reason + ". " + text, e.still_posted()));
   } catch (...) {

@@ -364,13 +364,8 @@ void P2PWork::wait_request(std::chrono::milliseconds limit) {
       } catch (const Error& e) {
         if (e.code() != Errc::kTimeout) throw;
         // The core names the last slice's length: the wait lasted `limit`.
-        std::string reason = e.reason();
-        const std::string lead = "Timed out after ";
-        const std::size_t ms = reason.find(" ms");
-        if (reason.compare(0, lead.size(), lead) == 0 && ms != std::string::npos) {
-          reason = lead + std::to_string(limit.count()) + reason.substr(ms);
-        }
-        throw Error(e.code(), e.site(), reason, e.still_posted());
+        throw Error(e.code(), e.site(), with_wait_length(e.reason(), limit.count()),
+                    e.still_posted());
       }
       return;
     }
