@@ -8,6 +8,7 @@ off by one call on both ranks, silently); an all_reduce on one rank and a broadc
 "succeeded" on the broadcasting rank with the reducer's data.
 """
 import functools
+import time
 
 import pytest
 import torch
@@ -65,6 +66,12 @@ def _cases(ctx):
     # same bytes, another dtype: float32 vs int32 broadcast; 200 float32 vs 100 float64 all_reduce
     y = torch.ones(1000, dtype=torch.float32 if me == 0 else torch.int32)
     res["dtype_broadcast"] = expect_raises(lambda: dist.broadcast(y, src=0))
+    # The root may have returned before rank 1 found the other dtype: rank 1's notice then
+    # reaches it, and its next collective fails saying so (on both ranks). Waiting here lets the
+    # notice arrive first, so that this is the call it fails.
+    dist.barrier(group=ctx.ref)
+    time.sleep(0.3)
+    res["told_dtype_broadcast"] = expect_raises(lambda: dist.all_reduce(torch.ones(3)))
     z = torch.ones(200, dtype=torch.float32) if me == 0 else torch.ones(100, dtype=torch.float64)
     res["dtype_allreduce"] = expect_raises(lambda: dist.all_reduce(z))
     res["after_dtype"] = _sums(me)
@@ -151,6 +158,12 @@ def test_broadcast_of_another_dtype_fails_on_the_receiver():
     _check_right_rank(v[1]["dtype_broadcast"], 1, "different call", "1000 int32 from root 0")
     r0 = v[0]["dtype_broadcast"]
     assert not r0["raised"] or "1000 int32" in r0["msg"], r0
+    if not r0["raised"]:
+        # The root returned: rank 1's notice fails its next collective, on both ranks, naming
+        # the broadcast (before, the root was never told).
+        for rank in (0, 1):
+            _check_right_rank(v[rank]["told_dtype_broadcast"], rank, "rank 1 stopped call #",
+                              "broadcast #", "which had finished on this rank")
 
 
 def test_ranks_exit_cleanly_after_the_mismatches():
@@ -253,3 +266,68 @@ def test_ranks_that_disagree_on_the_root_are_told(world):
             elif not case["first"]["raised"]:
                 assert errors, f"{what}: no rank was told (got {case['got']}); after: {case['after']}"
                 assert any(f"{op} #" in e and "differed" in e for e in errors), f"{what}: {errors}"
+
+
+def _disagreement_found_after_others_finished(ctx):
+    """A disagreement that only one rank sees, after the others have finished the call:
+
+    * all_to_all_single where rank 0 sends rank 1 one element more than rank 1's output splits
+      take (3 ranks: rank 2's part agrees). Rank 1's receive is truncated; ranks 0 and 2 got all
+      they expected and returned.
+    * a broadcast whose non-root rejects its tensor (not contiguous) before anything is posted,
+      while the root has sent and returned.
+
+    Before, the ranks that had returned were never told: their next calls succeeded, and so did
+    every later one. Each case is followed by three all_reduces; what each call raised (or that
+    its result was right) is recorded."""
+    me, w = ctx.rank, ctx.world
+    out = {}
+    # all_to_all_single: rank s sends 2 elements to each rank, but rank 0 sends 3 to rank 1.
+    ins = [2] * w
+    if me == 0:
+        ins[1] = 3
+    x = torch.arange(sum(ins), dtype=torch.float32)
+    y = torch.zeros(2 * w)
+    first = expect_raises(lambda: dist.all_to_all_single(y, x, output_split_sizes=[2] * w,
+                                                         input_split_sizes=ins))
+    out["all_to_all_single"] = [first] + _after(w)
+    # broadcast: the non-root's tensor is a strided view (rejected before anything is posted).
+    t = torch.zeros(8)
+    first = expect_raises(lambda: dist.broadcast(t if me == 0 else t[::2], src=0))
+    out["broadcast"] = [first] + _after(w)
+    return out
+
+
+def _after(w):
+    res = []
+    for _ in range(3):
+        x = torch.ones(3)
+        r = expect_raises(lambda: dist.all_reduce(x))
+        res.append(r["msg"] if r["raised"] else ("right" if torch.equal(x, torch.full((3,), float(w))) else "WRONG"))
+    return res
+
+
+@pytest.mark.ucx_semantics  # gloo has no call checks
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_disagreement_found_after_others_finished_reaches_them(world):
+    outs, closed = mp.run_once(_disagreement_found_after_others_finished, world, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    for case in ("all_to_all_single", "broadcast"):
+        for rank, o in enumerate(outs):
+            first, *after = o.value[case]
+            what = f"{case}, rank {rank}: {first['msg'] or 'returned'}; then {after}"
+            assert "WRONG" not in after and after[-1] == "right", what
+            if first["raised"]:
+                assert first["s"] < FAST, what
+                continue
+            # It returned: one of the next two calls fails (the other rank's notice may still be
+            # on its way when the first starts), saying which call went wrong and why.
+            told = [i for i, a in enumerate(after) if a not in ("right", "WRONG")]
+            assert told, f"{what}: this rank was never told"
+            assert told[0] <= 1 and len(told) == 1, what
+            assert "which had finished on this rank" in after[told[0]], what
+            assert f"{'alltoall_base' if case == 'all_to_all_single' else case} #" in after[told[0]], what
+        # The rank that found the disagreement failed the call itself.
+        finder = 1
+        assert outs[finder].value[case][0]["raised"], f"{case}: rank {finder} returned"

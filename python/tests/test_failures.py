@@ -424,6 +424,13 @@ def _invalid_inputs(ctx):
         elif BACKEND != "gloo":
             res[name] = dict(expect_raises(counterpart[name]), counterpart=True)
         dist.barrier(group=ctx.ref)
+        if name in counterpart and BACKEND != "gloo":
+            # A non-root whose call returned (a gather sender) learns of the root's rejection
+            # before its next collective, which then fails on every rank (given time for the
+            # notice to arrive, the very next one).
+            time.sleep(0.3)
+            res[name + ": the next call"] = expect_raises(lambda: dist.all_reduce(torch.ones(3)))
+            dist.barrier(group=ctx.ref)
     health_check(ctx)  # the group still works after all the rejected calls
     return res
 
@@ -465,6 +472,24 @@ def test_group_usable_and_exits_after_invalid_input():
     outs, closed = invalid_run()
     assert all(o.ok for o in outs), _describe(outs)
     assert_all_exited(closed)
+
+
+@pytest.mark.ucx_semantics  # gloo's non-root never learns of the root's rejection
+@pytest.mark.parametrize("case", ["scatter list too long", "scatter list too short", "gather list of wrong length"])
+def test_a_rank_whose_call_returned_learns_of_the_roots_rejection(case):
+    """The root rejects its call; a rank whose part of it returned anyway (a gather sender) is told
+    by its next collective, on every rank, naming the call; before, it never was. A rank whose
+    call failed itself (it waited for the root) is not told twice."""
+    outs, _ = invalid_run()
+    assert all(o.ok for o in outs), _describe(outs)
+    returned = [o.rank for o in outs if o.rank != 0 and not o.value[case]["raised"]]
+    for o in outs:
+        nxt = o.value[case + ": the next call"]
+        if returned:
+            assert nxt["raised"] and "which had finished on this rank" in nxt["msg"] \
+                and "gather #" in nxt["msg"], f"rank {o.rank} (ranks {returned} returned): {nxt}"
+        else:
+            assert not nxt["raised"], f"rank {o.rank}: {nxt['msg']}"
 
 
 @pytest.mark.parametrize("case", list(INVALID))

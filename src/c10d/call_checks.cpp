@@ -17,6 +17,12 @@
 //     three: the calls are rare; a reduce or gather sender once, before the second call after
 //     it: one look per call, as a reduce in a loop pays it); finding one, it fails the
 //     collective about to run, on every rank, saying which earlier call went wrong.
+//   * A rank that finds a disagreement inside a call (a message of another size than it expects:
+//     all_to_all_single splits that differ, say) or stops a call tells every other rank with a
+//     notice. The ranks still in the call fail at once; one that had finished it (its own part
+//     was consistent) finds the notice before its next collective (check_notices: one probe of
+//     the transport's unexpected messages per call, without progressing it) and fails that
+//     collective on every rank, naming the earlier call and what the other rank found.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -126,6 +132,63 @@ void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* 
   if (reason.empty()) return;
   coll::Context c;
   c.comm = comm_.get();
+  c.tag = current;
+  c.op_name = current_op;
+  coll::reject(c, reason);  // the others' call #current fails at once, with this reason
+  throw Error(Errc::kCallMismatch, ErrorSite{current_op, {}, {}, {}, group_name_},
+              reason + "; this call (#" + std::to_string(current) + ") did not run (" + where() +
+                  ")");
+}
+
+void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* current_op) {
+  auto& chan = ::commux::detail::channel(*comm_);
+  ::commux::detail::Unexpected u{};
+  if (!chan.probe(TagKind::kNotice, kAnySource, 0, 0, &u, /*progress=*/false)) return;
+  const std::uint32_t call = u.tag;  // a notice's user field is its call's tag
+  // This call's notice is this call's to read, a later call's that call's (a rank ahead of this
+  // one rejected it).
+  if (call == current || current - call >= 0x80000000u) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const c10d_detail::Task* r : running_) {
+      if (call - r->tag < r->ntags) return;  // a call still running beside this one reads it
+    }
+  }
+  coll::Context c;
+  c.comm = comm_.get();
+  c.tag = call;
+  {
+    std::lock_guard<std::mutex> lk(dead_mu_);
+    for (const auto& d : dead_) {
+      if (call - d.first < d.second) {  // failed here already, and said so: only dropped
+        coll::discard_call(c);
+        return;
+      }
+    }
+  }
+  // A call that finished here: read what the other rank says, then drop the call's leftovers.
+  std::string text(4096, '\0');
+  try {
+    const Buffer b{text.data(), text.size(), MemoryType::kHost};
+    Request r = chan.post_recv(&b, 1, u.sender, TagKind::kNotice, call);
+    r.wait(std::chrono::milliseconds(1000));
+    text.resize(std::min(r.bytes(), text.size()));
+  } catch (...) {
+    text.clear();
+  }
+  coll::discard_call(c);
+  note_dead(call, 1);  // what else comes for it is dropped
+  // "M<call as the sender describes it>\n<what it found>" (R: it rejected the call).
+  const std::size_t nl = text.find('\n');
+  const std::string what =
+      text.size() > 1 ? text.substr(1, nl == std::string::npos ? nl : nl - 1) : "";
+  const std::string found = nl == std::string::npos ? "" : text.substr(nl + 1);
+  const std::string reason =
+      "rank " + std::to_string(u.sender) + " stopped call #" + std::to_string(call) +
+      (what.empty() ? "" : " (" + what + " there)") + ", which had finished on this rank" +
+      (found.empty() ? "" : ": " + found) + "; the ranks' calls #" + std::to_string(call) +
+      " disagreed, so its results are wrong on "
+      "some ranks";
   c.tag = current;
   c.op_name = current_op;
   coll::reject(c, reason);  // the others' call #current fails at once, with this reason

@@ -185,6 +185,12 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // Throws (after telling the other ranks of call `current`) when a message of a noted root call
   // has arrived: that call's results are wrong on some rank, and nothing else would say so.
   void check_root_calls(std::uint32_t current, const char* current_op);
+  // A rank that finds the ranks' calls disagreeing (sizes, say) or stops a call tells the other
+  // ranks with a notice; one that had finished the call already gets it afterwards. Looks (one
+  // probe, no progress) for a notice of a call that finished here, before call `current` runs;
+  // finding one, fails call `current` on every rank naming the earlier call (its results may be
+  // wrong on some rank, and nothing else would tell this one).
+  void check_notices(std::uint32_t current, const char* current_op);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
   void serve() override;

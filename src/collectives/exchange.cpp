@@ -344,6 +344,10 @@ std::string Exchange::cleanup_note() const {
 }
 
 void Exchange::fail(Errc code, const std::string& what) {
+  // A disagreement found here (sizes that differ, say) is told to the other ranks of the call:
+  // those still in it fail at once, and the torch backend tells those that finished it before
+  // their next collective (ProcessGroupUCX::Impl::check_notices).
+  if (code == Errc::kCallMismatch) notify('M', what);
   abort();
   std::string msg = what;
   if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
@@ -362,7 +366,10 @@ void Exchange::rethrow(const Error& e) {
   if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
   if (e.code() == Errc::kTimeout && stuck_ == 0)
     msg += "; the collective's requests were cancelled";
-  if (e.code() == Errc::kTruncated) msg += "; the ranks' sizes disagree";
+  if (e.code() == Errc::kTruncated) {
+    msg += "; the ranks' sizes disagree";
+    notify('M', msg);  // as fail() tells a disagreement
+  }
   throw Error(e.code(), std::move(site), msg + cleanup_note());
 }
 
