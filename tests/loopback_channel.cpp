@@ -102,7 +102,7 @@ class LoopbackWorld::Chan final : public detail::Channel {
   }
 
   bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
-             detail::Unexpected* out, bool /*progress*/ = true) override {
+             detail::Unexpected* out) override {
     std::lock_guard<std::mutex> g(w_->mu_);
     for (const auto& send : w_->queued_[static_cast<std::size_t>(rank_)]) {
       if (send->kind != kind || ((send->tag ^ value) & mask) != 0) continue;

@@ -20,10 +20,12 @@
 //   * A rank that finds a disagreement inside a call (a message of another size than it expects:
 //     all_to_all_single splits that differ, say) or stops a call tells every other rank with a
 //     notice. The ranks still in the call fail at once; one that had finished it (its own part
-//     was consistent) finds the notice before its next collective (check_notices: one probe of
-//     the transport's unexpected messages per call, without progressing it) and fails that
-//     collective on every rank, naming the earlier call and what the other rank found.
+//     was consistent) finds the notice before a later collective (check_notices: a progress call
+//     and a probe of the transport's unexpected messages, at most once per coarse-clock tick)
+//     and fails that collective on every rank, naming the earlier call and what the other rank
+//     found.
 #include <c10/util/Exception.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cstring>
@@ -140,10 +142,21 @@ void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* 
                   ")");
 }
 
+bool ProcessGroupUCX::Impl::notice_look_due() noexcept {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);  // a few ns: no clock source is read
+  const std::int64_t ms = static_cast<std::int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+  if (notice_looked_ms_.load(std::memory_order_relaxed) == ms) return false;
+  notice_looked_ms_.store(ms, std::memory_order_relaxed);
+  return true;
+}
+
 void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* current_op) {
   auto& chan = ::commux::detail::channel(*comm_);
   ::commux::detail::Unexpected u{};
-  if (!chan.probe(TagKind::kNotice, kAnySource, 0, 0, &u, /*progress=*/false)) return;
+  // (With a progress call: a rank whose calls only send, a reduce leaf in a loop, progresses
+  // nothing else, and would not see the notice arrive.)
+  if (!chan.probe(TagKind::kNotice, kAnySource, 0, 0, &u)) return;
   const std::uint32_t call = u.tag;  // a notice's user field is its call's tag
   // This call's notice is this call's to read, a later call's that call's (a rank ahead of this
   // one rejected it).

@@ -563,7 +563,7 @@ std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
   try {
     if (any_dead_.load(std::memory_order_acquire)) drain_dead(t.tag);
     if (any_root_calls_.load(std::memory_order_acquire)) check_root_calls(t.tag, t.op_name);
-    if (size_ > 1) check_notices(t.tag, t.op_name);
+    if (size_ > 1 && notice_look_due()) check_notices(t.tag, t.op_name);
     run(t);
   } catch (...) {
     err = std::current_exception();

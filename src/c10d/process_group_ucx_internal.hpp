@@ -187,10 +187,15 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   void check_root_calls(std::uint32_t current, const char* current_op);
   // A rank that finds the ranks' calls disagreeing (sizes, say) or stops a call tells the other
   // ranks with a notice; one that had finished the call already gets it afterwards. Looks (one
-  // probe, no progress) for a notice of a call that finished here, before call `current` runs;
+  // progress call and probe) for a notice of a call that finished here, before call `current` runs;
   // finding one, fails call `current` on every rank naming the earlier call (its results may be
   // wrong on some rank, and nothing else would tell this one).
   void check_notices(std::uint32_t current, const char* current_op);
+  // Whether check_notices runs before this call: at most once per tick of the coarse clock (1-4
+  // ms). Its probe walks the transport's whole queue of unexpected messages, which a rank far
+  // behind its peers (a broadcast receiver in a loop) holds hundreds of: every call made it 1.5x
+  // slower there. A notice is then found within a few milliseconds of calls.
+  bool notice_look_due() noexcept;
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
   void serve() override;
@@ -290,6 +295,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::mutex dead_mu_;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> dead_;  // [dead_mu_] (tag, ntags)
   std::atomic<bool> any_dead_{false};                          // = !dead_.empty()
+  std::atomic<std::int64_t> notice_looked_ms_{0};              // notice_look_due()
   struct RootCall {
     std::uint32_t tag;
     const char* op;

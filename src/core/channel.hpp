@@ -116,10 +116,8 @@ class Channel {
   // Looks, without receiving it, for a message of traffic `kind` from `sender` (kAnySource: any)
   // that arrived and matched no receive, whose tag's user field equals `value` on the bits of
   // `mask` (the first such, in arrival order). For the cross-rank call checks of the collectives.
-  // With `progress`, the transport is progressed once first, so that what has come in is seen;
-  // without, only what earlier progress queued is (cheaper, for a look before every call).
   virtual bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
-                     Unexpected* out, bool progress = true) = 0;
+                     Unexpected* out) = 0;
   // Receives and drops every such message (those of a call that failed or was rejected, which
   // would otherwise wait in the transport for a receive that never comes); returns how many.
   virtual std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) = 0;

@@ -57,8 +57,8 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   Request post_after(std::shared_ptr<Gate> gate, Direction dir, const char* name,
                      const Buffer* buffers, std::size_t count, int peer, TagKind kind,
                      std::uint32_t tag, bool fast_completion) override;
-  bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask, Unexpected* out,
-             bool progress = true) override;
+  bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
+             Unexpected* out) override;
   std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override;
   void shutdown() override;
   bool set_driver(std::shared_ptr<Driver> driver) override {

@@ -521,7 +521,7 @@ std::pair<std::uint64_t, std::uint64_t> Engine::probe_match(TagKind kind, std::u
 }
 
 bool Engine::probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
-                   Unexpected* out, bool progress) {
+                   Unexpected* out) {
   auto [tag, tmask] = probe_match(kind, value, mask);
   if (sender >= 0 && sender < tag_layout::kMaxRanks) {
     tag |= static_cast<std::uint64_t>(sender) << tag_layout::kRankShift;
@@ -529,7 +529,7 @@ bool Engine::probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t 
   }
   std::lock_guard<std::mutex> lock(worker_.mutex());
   if (worker_.handle() == nullptr || worker_.shut_down_locked()) return false;
-  if (progress) progress_locked();
+  progress_locked();
   ucp_tag_recv_info_t info{};
   if (ucp_tag_probe_nb(worker_.handle(), tag, tmask, 0, &info) == nullptr) return false;
   if (out != nullptr) {
