@@ -257,3 +257,18 @@ def under_test(fn: Callable[[], object]):
         return fn()
     except (RuntimeError, ValueError) as e:
         raise GlooLacks(f"gloo rejects this: {type(e).__name__}: {e}".splitlines()[0]) from None
+
+
+def group_with(env: dict):
+    """A new group of every rank, created with the environment variables in `env` set (their
+    previous values, e.g. ones the whole run set, come back afterwards)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return dist.new_group(list(range(dist.get_world_size())))
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import check_equal, make, red_op, reduce_all
+from helpers import check_equal, group_with, make, red_op, reduce_all
 from suite import worlds
 
 pytestmark = pytest.mark.ucx
@@ -36,19 +36,6 @@ OPS = ["SUM", "MAX", "MIN", "PRODUCT"]
 KINDS = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
          "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "barrier", "p2p", "p2p",
          "batch_p2p", "overlapping_pair", "all_to_all", "reduce_scatter"]
-
-
-def _group_with(env):
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return dist.new_group(list(range(dist.get_world_size())))
-    finally:
-        for k, v in before.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
 
 
 def _program(seed, rnd, W, length):
@@ -241,7 +228,7 @@ class _Round:
 
 
 def _run_programs(ctx, seeds, rounds, length):
-    groups = [None if not env else _group_with(env) for env in GROUP_SETTINGS]
+    groups = [None if not env else group_with(env) for env in GROUP_SETTINGS]
     n = 0
     for seed in seeds:
         for rnd in range(rounds):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import mp
-from helpers import check_equal, expect_raises, make
+from helpers import check_equal, expect_raises, group_with, make
 from suite import worlds
 
 pytestmark = pytest.mark.ucx
@@ -463,17 +463,7 @@ def _group_with(var, value, **more):
     """A new group of every rank created with the environment variable `var` set to `value`,
     and each of `more` (name=value) too (their previous values, e.g. ones the whole run set, come
     back afterwards)."""
-    env = {var: value, **more}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return dist.new_group(list(range(dist.get_world_size())))
-    finally:
-        for k, v in before.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+    return group_with({var: value, **more})
 
 
 def _caller_runs(ctx):

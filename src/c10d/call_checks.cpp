@@ -131,7 +131,11 @@ void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* 
     }
     any_root_calls_.store(!root_calls_.empty(), std::memory_order_release);
   }
-  if (reason.empty()) return;
+  if (!reason.empty()) refuse_call(current, current_op, reason);
+}
+
+void ProcessGroupUCX::Impl::refuse_call(std::uint32_t current, const char* current_op,
+                                        const std::string& reason) {
   coll::Context c;
   c.comm = comm_.get();
   c.tag = current;
@@ -200,14 +204,8 @@ void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* cur
       "rank " + std::to_string(u.sender) + " stopped call #" + std::to_string(call) +
       (what.empty() ? "" : " (" + what + " there)") + ", which had finished on this rank" +
       (found.empty() ? "" : ": " + found) + "; the ranks' calls #" + std::to_string(call) +
-      " disagreed, so its results are wrong on "
-      "some ranks";
-  c.tag = current;
-  c.op_name = current_op;
-  coll::reject(c, reason);  // the others' call #current fails at once, with this reason
-  throw Error(Errc::kCallMismatch, ErrorSite{current_op, {}, {}, {}, group_name_},
-              reason + "; this call (#" + std::to_string(current) + ") did not run (" + where() +
-                  ")");
+      " disagreed, so its results are wrong on some ranks";
+  refuse_call(current, current_op, reason);
 }
 
 }  // namespace commux

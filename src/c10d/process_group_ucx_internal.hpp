@@ -185,6 +185,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // Throws (after telling the other ranks of call `current`) when a message of a noted root call
   // has arrived: that call's results are wrong on some rank, and nothing else would say so.
   void check_root_calls(std::uint32_t current, const char* current_op);
+  // Fails call `current` on every rank, before it runs, for `reason` (an earlier call went wrong).
+  [[noreturn]] void refuse_call(std::uint32_t current, const char* current_op,
+                                const std::string& reason);
   // A rank that finds the ranks' calls disagreeing (sizes, say) or stops a call tells the other
   // ranks with a notice; one that had finished the call already gets it afterwards. Looks (one
   // progress call and probe) for a notice of a call that finished here, before call `current` runs;
