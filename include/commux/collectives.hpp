@@ -163,6 +163,13 @@ void reject(const Context& ctx, const std::string& reason) noexcept;
 // by the low 16 bits of its tag and its fingerprint, so they could pair with a call 65536 tags
 // later. Returns how many were dropped.
 std::size_t discard_call(const Context& ctx);
+// Whether a collective that failed on this thread since reset_left_posted() left requests posted
+// in the transport: rendezvous transfers that cancel() could not take back, which may still read
+// from or write into the call's buffers (its scratch is kept for them). The caller's buffers of
+// such a call must then stay allocated: freeing one lets the transport read freed memory (a crash)
+// or write into memory reused since (silent corruption). The torch backend keeps them.
+bool left_posted() noexcept;
+void reset_left_posted() noexcept;
 // The user field of the internal messages of call `tag` whose fingerprint is `fingerprint` (see
 // commux/tag.hpp), for code that posts internal traffic of its own with a call's tag.
 std::uint32_t call_wire_tag(std::uint32_t tag, std::uint64_t fingerprint) noexcept;

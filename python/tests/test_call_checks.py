@@ -332,3 +332,36 @@ def test_a_disagreement_found_after_others_finished_reaches_them(world):
         # The rank that found the disagreement failed the call itself.
         finder = 1
         assert outs[finder].value[case][0]["raised"], f"{case}: rank {finder} returned"
+
+
+def _late_peer_after_a_timeout(ctx):
+    """4 ranks: a reduce whose ranks disagree on the root (rank 0 names 3, the others 0) leaves
+    ranks 0-2 waiting out their timeouts while rank 3 goes on to an all_gather with a tensor list
+    (staged through a buffer of the backend). Rank 3's all_gather times out first, with its
+    rendezvous sends still posted; a peer's receive then comes late. The staging buffer used to
+    be freed when the call failed, and the transport read it after: rank 3 crashed (SIGSEGV in
+    UCX's rendezvous pack). Every rank must report errors and live on."""
+    from datetime import timedelta
+    me, w = ctx.rank, ctx.world
+    g = dist.new_group(list(range(w)), timeout=timedelta(seconds=4))
+    out = []
+    b = torch.full((300000,), float(me), dtype=torch.float64)
+    dist.broadcast(b, src=3, group=g)
+    x = torch.full((70000,), me, dtype=torch.int32)
+    out.append(expect_raises(lambda: dist.reduce(x, dst=3 if me == 0 else 0, op=dist.ReduceOp.MIN, group=g)))
+    y = torch.full((70000,), me, dtype=torch.int64)
+    outs = [torch.zeros_like(y) for _ in range(w)]
+    out.append(expect_raises(lambda: dist.all_gather(outs, y, group=g)))
+    dist.barrier(group=ctx.ref)
+    time.sleep(1.0)  # the late transfers happen, or crash, now
+    dist.barrier(group=ctx.ref)
+    dist.destroy_process_group(g)
+    return [(r["raised"], r["msg"][:200]) for r in out]
+
+
+@pytest.mark.ucx_semantics  # a commux staging buffer
+def test_a_failed_list_calls_staging_outlives_its_posted_transfers():
+    outs, closed = mp.run_once(_late_peer_after_a_timeout, 4, backend=BACKEND, pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    for o in outs:
+        assert o.value[1][0], f"rank {o.rank}: the all_gather returned: {o.value}"

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include "commux/collectives.hpp"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -168,6 +170,14 @@ ListBuffer::ListBuffer(const std::vector<at::Tensor>& list, const std::vector<st
 }
 
 ListBuffer::~ListBuffer() {
+  if (!done_ && coll::left_posted()) {
+    // The call failed leaving transfers posted that may still use this buffer: never freed (a
+    // rank whose collective timed out used to crash when its peer's receive came late, and the
+    // transport read the staging memory freed here).
+    static_cast<void>(host_.release());
+    if (staging_.defined()) static_cast<void>(new at::Tensor(std::move(staging_)));
+    return;
+  }
   if (host_ && done_) give_host(std::move(host_), host_bytes_);
 }
 

@@ -560,6 +560,7 @@ bool ProcessGroupUCX::Impl::drive() noexcept {
 std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
   std::exception_ptr err;
   recorder_->started(t.tag);
+  coll::reset_left_posted();
   try {
     if (any_dead_.load(std::memory_order_acquire)) drain_dead(t.tag);
     if (any_root_calls_.load(std::memory_order_acquire)) check_root_calls(t.tag, t.op_name);
@@ -568,6 +569,16 @@ std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
   } catch (...) {
     err = std::current_exception();
     note_dead(t.tag, t.ntags);
+  }
+  if (err && coll::left_posted()) {
+    // The call failed leaving transfers posted that may still read from or write into its
+    // tensors: they are kept to the end of the process, whatever the caller drops (a peer's late
+    // receive of a timed-out call's send read freed memory here, and crashed).
+    struct Kept {
+      std::vector<at::Tensor> keep_alive, outputs;
+      Body body;
+    };
+    static_cast<void>(new Kept{std::move(t.keep_alive), t.outputs, std::move(t.body)});
   }
   err = recorder_->finished(t.tag, err);  // a timeout gets the hang report
   t.body = nullptr;

@@ -127,6 +127,10 @@ void reap_parked() {
 
 }  // namespace
 
+namespace {
+thread_local bool t_left_posted = false;  // left_posted()
+}  // namespace
+
 void park(Request request, std::unique_ptr<char[]> data) {
   if (request.done()) return;
   ParkingLot& p = parking();
@@ -401,6 +405,7 @@ void Exchange::abort() noexcept {
   first_open_ = reqs_.size();
   stuck_ += stuck.size();
   if (stuck.empty()) return;
+  t_left_posted = true;
   try {
     ParkingLot& p = parking();
     std::lock_guard<std::mutex> g(p.mu);
@@ -434,3 +439,8 @@ void WorkStage::store() {
 }
 
 }  // namespace commux::coll::detail
+
+namespace commux::coll {
+bool left_posted() noexcept { return detail::t_left_posted; }
+void reset_left_posted() noexcept { detail::t_left_posted = false; }
+}  // namespace commux::coll
