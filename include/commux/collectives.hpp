@@ -163,6 +163,15 @@ void reject(const Context& ctx, const std::string& reason) noexcept;
 // by the low 16 bits of its tag and its fingerprint, so they could pair with a call 65536 tags
 // later. Returns how many were dropped.
 std::size_t discard_call(const Context& ctx);
+// Notices that nobody took: a rank that rejects a call, finds the ranks' calls disagreeing in it,
+// or stops it tells every other rank, and one that had finished that call never reads it.
+// find_notice looks for one of any call on ctx.comm (one progress call and one probe of the
+// transport's unexpected messages, which it walks whole), without taking it: its call's tag and
+// sender. take_notice takes the notice of call ctx.tag from `sender`, drops the call's other
+// leftovers (discard_call), and gives the call as the sender described it ("alltoall #0 (...)")
+// and what it found there (empty where unknown).
+bool find_notice(const Context& ctx, std::uint32_t* call, int* sender);
+void take_notice(const Context& ctx, int sender, std::string* what, std::string* reason);
 // Whether a collective that failed on this thread since reset_left_posted() left requests posted
 // in the transport: rendezvous transfers that cancel() could not take back, which may still read
 // from or write into the call's buffers (its scratch is kept for them). The caller's buffers of

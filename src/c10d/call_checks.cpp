@@ -156,12 +156,13 @@ bool ProcessGroupUCX::Impl::notice_look_due() noexcept {
 }
 
 void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* current_op) {
-  auto& chan = ::commux::detail::channel(*comm_);
-  ::commux::detail::Unexpected u{};
+  coll::Context c;
+  c.comm = comm_.get();
+  std::uint32_t call = 0;
+  int sender = -1;
   // (With a progress call: a rank whose calls only send, a reduce leaf in a loop, progresses
   // nothing else, and would not see the notice arrive.)
-  if (!chan.probe(TagKind::kNotice, kAnySource, 0, 0, &u)) return;
-  const std::uint32_t call = u.tag;  // a notice's user field is its call's tag
+  if (!coll::find_notice(c, &call, &sender)) return;
   // This call's notice is this call's to read, a later call's that call's (a rank ahead of this
   // one rejected it).
   if (call == current || current - call >= 0x80000000u) return;
@@ -171,8 +172,6 @@ void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* cur
       if (call - r->tag < r->ntags) return;  // a call still running beside this one reads it
     }
   }
-  coll::Context c;
-  c.comm = comm_.get();
   c.tag = call;
   {
     std::lock_guard<std::mutex> lk(dead_mu_);
@@ -183,29 +182,16 @@ void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* cur
       }
     }
   }
-  // A call that finished here: read what the other rank says, then drop the call's leftovers.
-  std::string text(4096, '\0');
-  try {
-    const Buffer b{text.data(), text.size(), MemoryType::kHost};
-    Request r = chan.post_recv(&b, 1, u.sender, TagKind::kNotice, call);
-    r.wait(std::chrono::milliseconds(1000));
-    text.resize(std::min(r.bytes(), text.size()));
-  } catch (...) {
-    text.clear();
-  }
-  coll::discard_call(c);
+  // A call that finished here: what the other rank found, then the call's leftovers dropped.
+  std::string what, found;
+  coll::take_notice(c, sender, &what, &found);
   note_dead(call, 1);  // what else comes for it is dropped
-  // "M<call as the sender describes it>\n<what it found>" (R: it rejected the call).
-  const std::size_t nl = text.find('\n');
-  const std::string what =
-      text.size() > 1 ? text.substr(1, nl == std::string::npos ? nl : nl - 1) : "";
-  const std::string found = nl == std::string::npos ? "" : text.substr(nl + 1);
-  const std::string reason =
-      "rank " + std::to_string(u.sender) + " stopped call #" + std::to_string(call) +
-      (what.empty() ? "" : " (" + what + " there)") + ", which had finished on this rank" +
-      (found.empty() ? "" : ": " + found) + "; the ranks' calls #" + std::to_string(call) +
-      " disagreed, so its results are wrong on some ranks";
-  refuse_call(current, current_op, reason);
+  refuse_call(current, current_op,
+              "rank " + std::to_string(sender) + " stopped call #" + std::to_string(call) +
+                  (what.empty() ? "" : " (" + what + " there)") +
+                  ", which had finished on this rank" + (found.empty() ? "" : ": " + found) +
+                  "; the ranks' calls #" + std::to_string(call) +
+                  " disagreed, so its results are wrong on some ranks");
 }
 
 }  // namespace commux

@@ -166,6 +166,19 @@ std::string take_notice(::commux::detail::Channel& chan, const ::commux::detail:
 
 }  // namespace
 
+// A notice's parts: "<kind><the call as its sender describes it>\n<reason>" (kind R: it rejected
+// the call; M: it found the calls disagreeing, or stopped it).
+struct NoticeText {
+  char kind;
+  std::string what, reason;
+};
+NoticeText split_notice(const std::string& notice) {
+  const std::size_t nl = notice.find('\n');
+  return {notice.empty() ? '?' : notice[0],
+          notice.empty() ? "" : notice.substr(1, nl == std::string::npos ? nl : nl - 1),
+          nl == std::string::npos ? "" : notice.substr(nl + 1)};
+}
+
 void Exchange::check_calls(std::size_t id) {
   ::commux::detail::Unexpected u;
   if (chan_->probe(TagKind::kNotice, kAnySource, ctx_.tag, ~std::uint32_t{0}, &u)) {
@@ -192,11 +205,10 @@ void Exchange::poll_caller() {
 }
 
 void Exchange::noticed(int peer, const std::string& notice) {
-  const char kind = notice.empty() ? '?' : notice[0];
-  const std::size_t nl = notice.find('\n');
-  const std::string what =
-      notice.empty() ? "" : notice.substr(1, nl == std::string::npos ? nl : nl - 1);
-  const std::string reason = nl == std::string::npos ? "" : notice.substr(nl + 1);
+  const NoticeText n = split_notice(notice);
+  const char kind = n.kind;
+  const std::string& what = n.what;
+  const std::string& reason = n.reason;
   const std::string mine = describe_call();
   std::string msg;
   if (kind == 'R') {
@@ -230,4 +242,30 @@ void Exchange::mismatch(int peer) {
 }
 
 }  // namespace detail
+
+bool find_notice(const Context& ctx, std::uint32_t* call, int* sender) {
+  if (ctx.comm == nullptr) return false;
+  ::commux::detail::Unexpected u{};
+  if (!::commux::detail::channel(*ctx.comm).probe(TagKind::kNotice, kAnySource, 0, 0, &u)) {
+    return false;
+  }
+  *call = u.tag;  // a notice's user field is its call's tag
+  *sender = u.sender;
+  return true;
+}
+
+void take_notice(const Context& ctx, int sender, std::string* what, std::string* reason) {
+  if (ctx.comm == nullptr) return;
+  ::commux::detail::Channel& chan = ::commux::detail::channel(*ctx.comm);
+  ::commux::detail::Unexpected u{};
+  std::string text;
+  if (chan.probe(TagKind::kNotice, sender, ctx.tag, ~std::uint32_t{0}, &u)) {
+    text = detail::take_notice(chan, u, ctx.tag);
+  }
+  discard_call(ctx);
+  detail::NoticeText n = detail::split_notice(text);
+  *what = std::move(n.what);
+  *reason = std::move(n.reason);
+}
+
 }  // namespace commux::coll
