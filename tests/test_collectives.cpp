@@ -1128,6 +1128,54 @@ TEST(CollectiveFailures, LargeReductionOfHostAndDeviceRanksFailsOnBothRanks) {
   });
 }
 
+// A broadcast root whose receiver comes late times out with its rendezvous send still posted:
+// freeing the buffer then would let the transport read freed memory when the receive comes. What
+// the caller hands to coll::hold_while_posted for that call stays alive while the transfer may
+// still read it, and is released once it has finished (here the receiver drops the call's
+// messages, which completes the transfer).
+TEST(CollectiveFailures, WhatIsHeldForAFailedCallsTransfersIsReleasedWhenTheyFinish) {
+  run_ranks(2, [](Communicator& c) {
+    constexpr std::size_t kBytes = std::size_t{8} << 20;  // a rendezvous, whatever the transport
+    auto ctx = [&](std::uint32_t tag, std::chrono::milliseconds limit) {
+      coll::Context x;
+      x.comm = &c;
+      x.tag = tag;
+      x.op_name = "broadcast";
+      x.deadline = Clock::now() + limit;
+      return x;
+    };
+    const auto sync = [&](std::uint32_t tag) { coll::barrier(ctx(tag, std::chrono::seconds(20))); };
+    if (c.rank() == 0) {
+      auto buf = std::make_shared<std::vector<char>>(kBytes, 'x');
+      bool failed = false;
+      try {
+        coll::broadcast(ctx(3, std::chrono::milliseconds(300)), buf->data(), kBytes, 0);
+      } catch (const Error& e) {
+        failed = true;
+        const std::string msg = e.what();
+        std::fprintf(stderr, "[rank 0] %s\n", msg.c_str());
+        CX_CHECK_HAS(msg, "stay posted");
+      }
+      CX_CHECK(failed);
+      const std::weak_ptr<const std::vector<char>> watch = buf;
+      CX_CHECK(!coll::hold_while_posted(c, 4, 1, {}));  // another call left nothing
+      CX_CHECK(coll::hold_while_posted(c, 2, 2, std::move(buf)));
+      CX_CHECK(!watch.expired());  // the transfer may still read it
+      sync(10);
+      sync(11);  // rank 1 has taken the call's messages
+      const auto until = Clock::now() + std::chrono::seconds(10);
+      while (coll::hold_while_posted(c, 3, 1, {}) && Clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      CX_CHECK(watch.expired());
+    } else {
+      sync(10);  // rank 0's broadcast has failed
+      CX_CHECK(coll::discard_call(ctx(3, std::chrono::seconds(10))) >= 1);
+      sync(11);
+    }
+  });
+}
+
 // Rank 0 believes the pair exchanges `a` bytes each way, rank 1 believes `b`: rank 0 receives a
 // message longer than it posted (kTruncated), rank 1 a shorter one (kInvalidArgument); both name
 // the peer and both sizes.

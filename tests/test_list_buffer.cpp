@@ -35,7 +35,7 @@ TEST(ListBuffer, TheRowsOfOneTensorAreUsedInPlace) {
   const auto list = rows(whole);
   const auto bytes = sizes_of(list);
   const at::Tensor other = at::zeros({4}, at::kFloat);
-  cd::ListBuffer buf(list, bytes, other, other.data_ptr(), 16);
+  cd::ListBuffer buf({}, list, bytes, other, other.data_ptr(), 16);
   EXPECT_TRUE(buf.in_place());
   EXPECT_EQ(buf.data(), whole.data_ptr());
   EXPECT_EQ(buf.displs(), (std::vector<std::size_t>{0, 16, 32}));
@@ -47,7 +47,7 @@ TEST(ListBuffer, RowsOutOfOrderAreStagedAndCopiedBothWays) {
   std::swap(list[0], list[2]);  // adjacent, but not in list order
   const auto bytes = sizes_of(list);
   const at::Tensor other = at::zeros({4}, at::kFloat);
-  cd::ListBuffer buf(list, bytes, other, other.data_ptr(), 16);
+  cd::ListBuffer buf({}, list, bytes, other, other.data_ptr(), 16);
   ASSERT_FALSE(buf.in_place());
   buf.pack();
   const auto* staged = static_cast<const float*>(buf.data());
@@ -66,15 +66,16 @@ TEST(ListBuffer, ABlockThatOverlapsTheOtherTensorIsStaged) {
   const auto list = rows(whole);
   const auto bytes = sizes_of(list);
   // A scatter whose output is the root's own input row, or an all_to_all whose lists share memory.
-  cd::ListBuffer buf(list, bytes, whole, list[1].data_ptr(), 16);
+  cd::ListBuffer buf({}, list, bytes, whole, list[1].data_ptr(), 16);
   EXPECT_FALSE(buf.in_place());
   // Where the call allows its own row (in == out + rank * bytes, the gathers), it stays in place,
   // but not for another rank's row or a range that straddles rows.
-  cd::ListBuffer own(list, bytes, whole, list[1].data_ptr(), 16, /*own=*/1);
+  cd::ListBuffer own({}, list, bytes, whole, list[1].data_ptr(), 16, /*own=*/1);
   EXPECT_TRUE(own.in_place());
-  cd::ListBuffer wrong_row(list, bytes, whole, list[1].data_ptr(), 16, /*own=*/2);
+  cd::ListBuffer wrong_row({}, list, bytes, whole, list[1].data_ptr(), 16, /*own=*/2);
   EXPECT_FALSE(wrong_row.in_place());
-  cd::ListBuffer straddles(list, bytes, whole, static_cast<char*>(list[1].data_ptr()) + 4, 16, 1);
+  cd::ListBuffer straddles({}, list, bytes, whole, static_cast<char*>(list[1].data_ptr()) + 4, 16,
+                           1);
   EXPECT_FALSE(straddles.in_place());
 }
 
@@ -84,13 +85,13 @@ TEST(ListBuffer, UnevenAndEmptyElementsKeepTheirPlaces) {
                                         whole.narrow(0, 3, 7)};
   const auto bytes = sizes_of(list);
   const at::Tensor other = at::zeros({1}, at::kFloat);
-  cd::ListBuffer buf(list, bytes, other, other.data_ptr(), 4);
+  cd::ListBuffer buf({}, list, bytes, other, other.data_ptr(), 4);
   EXPECT_TRUE(buf.in_place());
   EXPECT_EQ(buf.displs(), (std::vector<std::size_t>{0, 12, 12}));
   const std::vector<at::Tensor> apart = {at::ones({3}, at::kFloat), at::empty({0}, at::kFloat),
                                          at::full({2}, 7.0F, at::kFloat)};
   const auto apart_bytes = sizes_of(apart);
-  cd::ListBuffer staged(apart, apart_bytes, other, other.data_ptr(), 4);
+  cd::ListBuffer staged({}, apart, apart_bytes, other, other.data_ptr(), 4);
   ASSERT_FALSE(staged.in_place());
   staged.pack();
   const auto* f = static_cast<const float*>(staged.data());
@@ -107,8 +108,8 @@ TEST(ListBuffer, AFinishedCallsStagingIsReusedByTheNextAndAFailedOnesIsNot) {
   ASSERT_LT(cd::kept_staging_bytes(), kBig);
   void* first = nullptr;
   {
-    cd::ListBuffer a(list, bytes, other, other.data_ptr(), 4);
-    cd::ListBuffer b(list, bytes, other, other.data_ptr(), 4);  // at the same time: its own
+    cd::ListBuffer a({}, list, bytes, other, other.data_ptr(), 4);
+    cd::ListBuffer b({}, list, bytes, other, other.data_ptr(), 4);  // at the same time: its own
     EXPECT_NE(a.data(), b.data());
     first = a.data();
     a.pack();  // above 256 KiB per element: copy_
@@ -118,14 +119,14 @@ TEST(ListBuffer, AFinishedCallsStagingIsReusedByTheNextAndAFailedOnesIsNot) {
   EXPECT_GE(cd::kept_staging_bytes(), kBig);
   EXPECT_LT(cd::kept_staging_bytes(), 2 * kBig) << "the failed call's buffer was kept";
   {
-    cd::ListBuffer c(list, bytes, other, other.data_ptr(), 4);
+    cd::ListBuffer c({}, list, bytes, other, other.data_ptr(), 4);
     EXPECT_EQ(c.data(), first);
     EXPECT_LT(cd::kept_staging_bytes(), kBig);  // taken
     // c's call fails too
   }
   EXPECT_LT(cd::kept_staging_bytes(), kBig);
   {
-    cd::ListBuffer d(list, bytes, other, other.data_ptr(), 4);
+    cd::ListBuffer d({}, list, bytes, other, other.data_ptr(), 4);
     d.unpack();  // as done()
   }
   EXPECT_GE(cd::kept_staging_bytes(), kBig);
@@ -143,7 +144,7 @@ TEST(ListBuffer, TheLastGroupToGoFreesTheKeptStaging) {
   {
     cd::KeptStagingUser second;
     {
-      cd::ListBuffer a(list, bytes, other, other.data_ptr(), 4);
+      cd::ListBuffer a({}, list, bytes, other, other.data_ptr(), 4);
       a.done();
     }
     EXPECT_GE(cd::kept_staging_bytes(), kBig);

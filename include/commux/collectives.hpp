@@ -172,13 +172,18 @@ std::size_t discard_call(const Context& ctx);
 // and what it found there (empty where unknown).
 bool find_notice(const Context& ctx, std::uint32_t* call, int* sender);
 void take_notice(const Context& ctx, int sender, std::string* what, std::string* reason);
-// Whether a collective that failed on this thread since reset_left_posted() left requests posted
-// in the transport: rendezvous transfers that cancel() could not take back, which may still read
-// from or write into the call's buffers (its scratch is kept for them). The caller's buffers of
-// such a call must then stay allocated: freeing one lets the transport read freed memory (a crash)
-// or write into memory reused since (silent corruption). The torch backend keeps them.
-bool left_posted() noexcept;
-void reset_left_posted() noexcept;
+// A collective that fails cancels its requests, but a rendezvous transfer the transport has begun
+// cannot always be taken back: it may still read from or write into the call's buffers after the
+// call has thrown (its scratch is kept for it). Freeing such a buffer lets the transport read freed
+// memory (a crash) or write into memory reused since (silent corruption). hold_while_posted hands
+// `owner` (whatever keeps the call's buffers allocated; it may be empty, to ask only) to the
+// transfers that the failed calls first_tag .. first_tag + ntags - 1 on `comm` left posted, and
+// returns whether there were any: `owner` is then released once they have all finished (at a later
+// collective's start, or a later hold_while_posted), and the caller may drop its own reference at
+// once. false: none is left, so the buffers may be freed now. Throws only when out of memory. The
+// torch backend hands over every tensor and staging buffer of a failed call this way.
+bool hold_while_posted(const Communicator& comm, std::uint32_t first_tag, std::uint32_t ntags,
+                       std::shared_ptr<const void> owner);
 // The user field of the internal messages of call `tag` whose fingerprint is `fingerprint` (see
 // commux/tag.hpp), for code that posts internal traffic of its own with a call's tag.
 std::uint32_t call_wire_tag(std::uint32_t tag, std::uint64_t fingerprint) noexcept;

@@ -340,23 +340,37 @@ def _late_peer_after_a_timeout(ctx):
     (staged through a buffer of the backend). Rank 3's all_gather times out first, with its
     rendezvous sends still posted; a peer's receive then comes late. The staging buffer used to
     be freed when the call failed, and the transport read it after: rank 3 crashed (SIGSEGV in
-    UCX's rendezvous pack). Every rank must report errors and live on."""
+    UCX's rendezvous pack). Every rank must report errors and live on. The failed calls' tensors
+    are kept only while their transfers may still use them: once those have finished, the next
+    collective lets them go (they used to be kept to the end of the process)."""
+    import gc
+    import weakref
     from datetime import timedelta
     me, w = ctx.rank, ctx.world
     g = dist.new_group(list(range(w)), timeout=timedelta(seconds=4))
     out = []
     b = torch.full((300000,), float(me), dtype=torch.float64)
     dist.broadcast(b, src=3, group=g)
-    x = torch.full((70000,), me, dtype=torch.int32)
-    out.append(expect_raises(lambda: dist.reduce(x, dst=3 if me == 0 else 0, op=dist.ReduceOp.MIN, group=g)))
-    y = torch.full((70000,), me, dtype=torch.int64)
-    outs = [torch.zeros_like(y) for _ in range(w)]
-    out.append(expect_raises(lambda: dist.all_gather(outs, y, group=g)))
+
+    def failed_calls():  # their tensors are referenced only from here
+        x = torch.full((70000,), me, dtype=torch.int32)
+        out.append(expect_raises(lambda: dist.reduce(x, dst=3 if me == 0 else 0, op=dist.ReduceOp.MIN, group=g)))
+        y = torch.full((70000,), me, dtype=torch.int64)
+        outs = [torch.zeros_like(y) for _ in range(w)]
+        out.append(expect_raises(lambda: dist.all_gather(outs, y, group=g)))
+        return [weakref.ref(t) for t in (x, y, *outs)]
+
+    watch = failed_calls()
     dist.barrier(group=ctx.ref)
     time.sleep(1.0)  # the late transfers happen, or crash, now
     dist.barrier(group=ctx.ref)
     dist.destroy_process_group(g)
-    return [(r["raised"], r["msg"][:200]) for r in out]
+    g2 = dist.new_group(list(range(w)))
+    dist.barrier(group=g2)  # its start frees what finished transfers held
+    gc.collect()
+    kept = sum(r() is not None for r in watch)
+    dist.destroy_process_group(g2)
+    return [(r["raised"], r["msg"][:200]) for r in out], kept
 
 
 @pytest.mark.ucx_semantics  # a commux staging buffer
@@ -364,4 +378,47 @@ def test_a_failed_list_calls_staging_outlives_its_posted_transfers():
     outs, closed = mp.run_once(_late_peer_after_a_timeout, 4, backend=BACKEND, pg_timeout_s=60, timeout=120)
     assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
     for o in outs:
-        assert o.value[1][0], f"rank {o.rank}: the all_gather returned: {o.value}"
+        calls, kept = o.value
+        assert calls[1][0], f"rank {o.rank}: the all_gather returned: {calls}"
+        assert kept == 0, f"rank {o.rank}: {kept} tensors of the failed calls are still kept: {calls}"
+
+
+def _late_root_of_a_scaled_reduce(ctx, kind):
+    """2 ranks: rank 0 sends a PREMUL_SUM-scaled copy of its tensor (a copy the backend makes when
+    the call runs) and times out, its rendezvous send still posted, because the other rank comes
+    after rank 0's timeout. That copy used to be freed with the call, and the late receive then
+    made the transport read freed memory on rank 0: rank 1's reduce returned a wrong sum, with no
+    error anywhere."""
+    from datetime import timedelta
+    me = ctx.rank
+    g = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    dist.barrier(group=g)
+    n = 1 << 20  # 4 MiB of float32: a rendezvous; memory that free() returns to the system
+    x = torch.full((2 * n,) if kind == "reduce_scatter" else (n,), 1.0 + me)
+    out = torch.zeros(n)
+    scaled = dist._make_nccl_premul_sum(2.0)
+    if me == 1:
+        time.sleep(3.0)  # past rank 0's timeout
+    if kind == "reduce":
+        r = expect_raises(lambda: dist.reduce(x, dst=1, op=scaled, group=g))
+    else:
+        r = expect_raises(lambda: dist.reduce_scatter_tensor(out, x, op=scaled, group=g))
+    dist.barrier(group=ctx.ref)
+    time.sleep(0.5)  # the late transfer happens, or crashes, now
+    dist.barrier(group=ctx.ref)
+    got = (x if kind == "reduce" else out)[:: n // 7].tolist()
+    return r["raised"], r["msg"][:300], got
+
+
+@pytest.mark.ucx_semantics  # a copy made by the commux backend
+@pytest.mark.parametrize("kind", ["reduce", "reduce_scatter"])
+def test_a_failed_calls_own_copies_outlive_its_posted_transfers(kind):
+    outs, closed = mp.run_once(_late_root_of_a_scaled_reduce, 2, kind, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    raised, msg, _ = outs[0].value
+    assert raised and "Timed out" in msg, f"rank 0: {msg or 'returned'}"
+    # Rank 1 came late: where its call returned, its result holds rank 0's scaled copy (2 * 1.0 +
+    # 2 * 2.0). Before, it summed whatever the freed copy's memory held (4.0: silently wrong).
+    raised, msg, got = outs[1].value
+    assert raised or got == [6.0] * len(got), f"rank 1 returned {got}"

@@ -129,9 +129,10 @@ std::pair<const void*, std::size_t> extent(const std::vector<at::Tensor>& list,
   return {reinterpret_cast<const void*>(lo), hi - lo};
 }
 
-ListBuffer::ListBuffer(const std::vector<at::Tensor>& list, const std::vector<std::size_t>& bytes,
-                       const at::Tensor& like, const void* other, std::size_t other_bytes, int own)
-    : list_(list), bytes_(bytes), displs_(list.size()) {
+ListBuffer::ListBuffer(const CallRef& call, const std::vector<at::Tensor>& list,
+                       const std::vector<std::size_t>& bytes, const at::Tensor& like,
+                       const void* other, std::size_t other_bytes, int own)
+    : call_(call), list_(list), bytes_(bytes), displs_(list.size()) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < list.size(); ++i) {
     displs_[i] = total;
@@ -170,15 +171,15 @@ ListBuffer::ListBuffer(const std::vector<at::Tensor>& list, const std::vector<st
 }
 
 ListBuffer::~ListBuffer() {
-  if (!done_ && coll::left_posted()) {
-    // The call failed leaving transfers posted that may still use this buffer: never freed (a
-    // rank whose collective timed out used to crash when its peer's receive came late, and the
-    // transport read the staging memory freed here).
-    static_cast<void>(host_.release());
-    if (staging_.defined()) static_cast<void>(new at::Tensor(std::move(staging_)));
+  if (done_) {
+    if (host_) give_host(std::move(host_), host_bytes_);
     return;
   }
-  if (host_ && done_) give_host(std::move(host_), host_bytes_);
+  // The call failed: transfers it left posted may still use the staging (a rank whose collective
+  // timed out used to crash when its peer's receive came late, and the transport read the staging
+  // memory freed here). (Out of memory in here ends the process: loud, where freeing is not safe.)
+  if (host_) hold_for(call_, std::shared_ptr<const void>(std::move(host_)));
+  if (staging_.defined()) hold_for(call_, std::make_shared<const at::Tensor>(std::move(staging_)));
 }
 
 void ListBuffer::copy(std::size_t i, bool in) {

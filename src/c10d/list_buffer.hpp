@@ -13,6 +13,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "call_hold.hpp"
+
 #include <cstddef>
 #include <memory>
 #include <utility>
@@ -26,8 +28,10 @@ class ListBuffer {
   // the device of the staging buffer. The block is used in place only where it does not overlap
   // `other` ([other, other + other_bytes): the other side of the call), or where `other` is the
   // block's own element `own` (in == out + rank * bytes, which the gathers allow); own < 0: never.
-  ListBuffer(const std::vector<at::Tensor>& list, const std::vector<std::size_t>& bytes,
-             const at::Tensor& like, const void* other, std::size_t other_bytes, int own = -1);
+  // `call`: the collective it serves (its staging goes to hold_for when that fails).
+  ListBuffer(const CallRef& call, const std::vector<at::Tensor>& list,
+             const std::vector<std::size_t>& bytes, const at::Tensor& like, const void* other,
+             std::size_t other_bytes, int own = -1);
 
   ~ListBuffer();
   ListBuffer(const ListBuffer&) = delete;
@@ -42,13 +46,14 @@ class ListBuffer {
   void pack();    // the list's tensors into the buffer
   void unpack();  // the buffer into the list's tensors, after the call succeeded (as done())
   // The call succeeded: nothing uses the buffer any more, so the process may keep it for the next
-  // call. Without it (the call threw) the buffer is freed: a transfer the call could not cancel
-  // in time may still land in it.
+  // call. Without it (the call threw) the staging goes to hold_for: a transfer the call could not
+  // cancel may still read from it or land in it, and it is freed once none is left.
   void done() noexcept { done_ = true; }
 
  private:
   void copy(std::size_t i, bool in);  // element i into the buffer (in) or out of it
 
+  CallRef call_;
   const std::vector<at::Tensor>& list_;
   const std::vector<std::size_t>& bytes_;
   std::vector<std::size_t> displs_;

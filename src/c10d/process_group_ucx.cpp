@@ -560,7 +560,6 @@ bool ProcessGroupUCX::Impl::drive() noexcept {
 std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
   std::exception_ptr err;
   recorder_->started(t.tag);
-  coll::reset_left_posted();
   try {
     if (any_dead_.load(std::memory_order_acquire)) drain_dead(t.tag);
     if (any_root_calls_.load(std::memory_order_acquire)) check_root_calls(t.tag, t.op_name);
@@ -570,15 +569,17 @@ std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
     err = std::current_exception();
     note_dead(t.tag, t.ntags);
   }
-  if (err && coll::left_posted()) {
-    // The call failed leaving transfers posted that may still read from or write into its
-    // tensors: they are kept to the end of the process, whatever the caller drops (a peer's late
-    // receive of a timed-out call's send read freed memory here, and crashed).
+  if (err) {
+    // The call may have failed leaving transfers posted that still read from or write into its
+    // tensors (a peer's late receive of a timed-out call's send read freed memory here, and
+    // crashed): they are handed to those transfers, and freed once they have finished.
     struct Kept {
       std::vector<at::Tensor> keep_alive, outputs;
       Body body;
     };
-    static_cast<void>(new Kept{std::move(t.keep_alive), t.outputs, std::move(t.body)});
+    c10d_detail::hold_for(call(t.tag, t.ntags),
+                          std::make_shared<const Kept>(
+                              Kept{std::move(t.keep_alive), t.outputs, std::move(t.body)}));
   }
   err = recorder_->finished(t.tag, err);  // a timeout gets the hang report
   t.body = nullptr;
@@ -1106,7 +1107,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_coalesced(
                    const Reduction red = to_reduction(op, opts.reduceOp, ts[0].scalar_type());
                    // One allreduce over the tensors back to back: their own memory where they are, else
                    // staged (list_buffer.hpp).
-                   ListBuffer buf(ts, each, ts[0], nullptr, 0);
+                   ListBuffer buf(call(tag), ts, each, ts[0], nullptr, 0);
                    buf.pack();
                    // A view of the buffer: scaled in place, and how errors describe the call.
                    at::Tensor flat =
@@ -1134,7 +1135,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce(std::vector<at::Ten
       c10d::OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp, {}, tensors,
       [this, t, r, dt, root, size, is_root](std::uint32_t tag, Clock::time_point dl) {
         // coll::reduce only reads a non-root's buffer; a pre-scale needs a copy.
-        at::Tensor buf = is_root || r.pre_scale == 1.0 ? t : t.clone();
+        c10d_detail::HeldOnFailure held(call(tag));
+        at::Tensor buf = held(is_root || r.pre_scale == 1.0 ? t : t.clone());
         apply_scale(buf, r.pre_scale);
         coll::reduce(reducing(context("reduce", tag, dl, buf), r), buf.data_ptr(), buf.numel(), dt,
                      r.op, root);
@@ -1156,7 +1158,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather(
   const int rank = getRank();
   return enqueue(c10d::OpType::ALLGATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
                  [this, in, outs, each, rank, op](std::uint32_t tag, Clock::time_point dl) {
-                   ListBuffer out(outs, each, in, in.data_ptr(), nbytes(in), rank);
+                   ListBuffer out(call(tag), outs, each, in, in.data_ptr(), nbytes(in), rank);
                    coll::allgather(context(op, tag, dl, in), in.data_ptr(), nbytes(in), out.data());
                    out.unpack();
                  });
@@ -1188,7 +1190,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::_allgather_base(
   at::Tensor in = input, out = output;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, op, opts.timeout, opts.asyncOp, {in}, {out},
                  [this, in, out, op](std::uint32_t tag, Clock::time_point dl) {
-                   const at::Tensor src = unaliased(in, out, in, out, getRank());
+                   c10d_detail::HeldOnFailure held(call(tag));
+                   const at::Tensor& src = held(unaliased(in, out, in, out, getRank()));
                    coll::allgather(context(op, tag, dl, in), src.data_ptr(), nbytes(in),
                                    out.data_ptr());
                  });
@@ -1213,7 +1216,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allgather_coalesced(
           const at::Tensor& in = ins[i];
           for (std::size_t r = 0; r < outlists.size(); ++r) column[r] = outlists[r][i];
           const std::vector<std::size_t> each(column.size(), nbytes(in));
-          ListBuffer out(column, each, in, in.data_ptr(), nbytes(in), rank);
+          ListBuffer out(call(tag + i), column, each, in, in.data_ptr(), nbytes(in), rank);
           coll::allgather(context(op, tag + i, dl, in), in.data_ptr(), nbytes(in), out.data());
           out.unpack();
         }
@@ -1255,7 +1258,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::gather(
       c10d::OpType::GATHER, op, opts.timeout, opts.asyncOp, {in}, outs,
       [this, in, outs, each, root, op](std::uint32_t tag, Clock::time_point dl) {
         std::optional<ListBuffer> out;  // on the root only
-        if (!outs.empty()) out.emplace(outs, each, in, in.data_ptr(), nbytes(in));
+        if (!outs.empty()) out.emplace(call(tag), outs, each, in, in.data_ptr(), nbytes(in));
         coll::gather(context(op, tag, dl, in), in.data_ptr(), nbytes(in),
                      out ? out->data() : nullptr, root);
         if (out) out->unpack();
@@ -1280,7 +1283,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::scatter(
       [this, ins, out, each, root, op](std::uint32_t tag, Clock::time_point dl) {
         std::optional<ListBuffer> in;  // on the root only
         if (!ins.empty()) {
-          in.emplace(ins, each, out, out.data_ptr(), nbytes(out));
+          in.emplace(call(tag), ins, each, out, out.data_ptr(), nbytes(out));
           in->pack();
         }
         coll::scatter(context(op, tag, dl, out), in ? in->data() : nullptr, out.data_ptr(),
@@ -1305,6 +1308,8 @@ void reduce_scatter_into(const coll::Context& ctx, const void* in, at::Tensor ou
 // where a PREMUL_SUM scales it.
 void run_reduce_scatter(const coll::Context& ctx, at::Tensor in, at::Tensor out, const Reduction& r,
                         int size) {
+  c10d_detail::HeldOnFailure held(c10d_detail::call_of(ctx));
+  held(in);
   apply_scale(in, r.pre_scale);
   reduce_scatter_into(ctx, in.data_ptr(), std::move(out), r, size);
 }
@@ -1330,7 +1335,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::reduce_scatter(
           run_reduce_scatter(reducing(context(op, tag, dl, out), r), at::cat(parts), out, r, size);
           return;
         }
-        ListBuffer in(ins, each, out, out.data_ptr(), nbytes(out));
+        ListBuffer in(call(tag), ins, each, out, out.data_ptr(), nbytes(out));
         in.pack();
         reduce_scatter_into(reducing(context(op, tag, dl, out), r), in.data(), out, r, size);
         in.done();
@@ -1403,7 +1408,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall_base(
                    // late), so the input is read from a copy made when the call runs.
                    const std::vector<at::Tensor> ins{in};
                    const std::vector<std::size_t> in_len{in_bytes};
-                   ListBuffer send(ins, in_len, in, out.data_ptr(), nbytes(out));
+                   ListBuffer send(call(tag), ins, in_len, in, out.data_ptr(), nbytes(out));
                    send.pack();
                    coll::alltoallv(context(op, tag, dl, in), send.data(), sc.data(), sd.data(),
                                    out.data_ptr(), rc.data(), rd.data());
@@ -1431,8 +1436,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
                    // from the other list, else packed.
                    const auto [out_at, out_len] = c10d_detail::extent(outs, rc);
                    const auto [in_at, in_len] = c10d_detail::extent(ins, sc);
-                   ListBuffer send(ins, sc, ins[0], out_at, out_len);
-                   ListBuffer recv(outs, rc, ins[0], in_at, in_len);
+                   ListBuffer send(call(tag), ins, sc, ins[0], out_at, out_len);
+                   ListBuffer recv(call(tag), outs, rc, ins[0], in_at, in_len);
                    send.pack();
                    coll::alltoallv(context(op, tag, dl, ins[0]), send.data(), sc.data(),
                                    send.displs().data(), recv.data(), rc.data(),

@@ -156,6 +156,10 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // DeviceOps for it). An undefined `like` means host memory.
   coll::Context context(const char* op_name, std::uint32_t tag,
                         std::chrono::steady_clock::time_point deadline, const at::Tensor& like);
+  // Calls tag .. tag + ntags - 1 of this group, for what their buffers are held by on failure.
+  c10d_detail::CallRef call(std::uint32_t tag, std::uint32_t ntags = 1) const {
+    return c10d_detail::CallRef{comm_.get(), tag, ntags};
+  }
   void run(c10d_detail::Task& task);
 
   // Cross-rank call checks (call_checks.cpp). A collective call that a rank rejects before

@@ -75,17 +75,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_sparse(
       c10d::OpType::ALLREDUCE, kOp, opts.timeout, opts.asyncOp, {}, tensors,
       [this, t, size, group_text](std::uint32_t tag, c10d_detail::Clock::time_point dl) mutable {
         const at::AutoDispatchBelowAutograd no_autograd;  // plain tensors, as in Gloo
+        // What the calls send from and receive into, kept if one fails leaving transfers posted.
+        c10d_detail::HeldOnFailure held(call(tag, kSparseTags));
         const at::Tensor in = t.coalesce();
-        const at::Tensor idx = in._indices().contiguous();
-        const at::Tensor val = in._values().contiguous();
+        const at::Tensor idx = held(in._indices().contiguous());
+        const at::Tensor val = held(in._values().contiguous());
         const std::int64_t nnz = in._nnz();
 
         // 1. headers
-        std::vector<std::int64_t> mine = {in.dim(), in.sparse_dim(), nnz,
-                                          static_cast<std::int64_t>(in.scalar_type())};
-        std::vector<std::int64_t> heads(static_cast<std::size_t>(size) * kHeader);
-        coll::allgather(context(kOp, tag, dl, at::Tensor()), mine.data(),
-                        mine.size() * sizeof(std::int64_t), heads.data());
+        const at::Tensor mine =
+            held(at::tensor(std::vector<std::int64_t>{in.dim(), in.sparse_dim(), nnz,
+                                                      static_cast<std::int64_t>(in.scalar_type())},
+                            at::kLong));
+        const at::Tensor heads_t = held(at::empty({size * kHeader}, at::kLong));
+        const std::int64_t* heads = heads_t.data_ptr<std::int64_t>();
+        coll::allgather(context(kOp, tag, dl, at::Tensor()), mine.data_ptr(),
+                        kHeader * sizeof(std::int64_t), heads_t.data_ptr());
         auto head = [&](int r, int field) {
           return heads[static_cast<std::size_t>(r) * kHeader + field];
         };
@@ -110,8 +115,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_sparse(
         std::vector<std::int64_t> counts(size);
         for (int r = 0; r < size; ++r) counts[r] = ndim + sdim * head(r, 2);
         const Layout il = layout_of(counts, sizeof(std::int64_t));
-        at::Tensor send = at::cat({at::tensor(in.sizes().vec(), at::kLong), idx.reshape({-1})});
-        at::Tensor ints = at::empty({il.total}, at::kLong);
+        const at::Tensor send =
+            held(at::cat({at::tensor(in.sizes().vec(), at::kLong), idx.reshape({-1})}));
+        const at::Tensor ints = held(at::empty({il.total}, at::kLong));
         coll::allgatherv(context(kOp, tag + 1, dl, at::Tensor()), send.data_ptr(), ints.data_ptr(),
                          il.bytes.data(), il.displs.data());
         std::vector<at::Tensor> idxs;
@@ -135,7 +141,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::allreduce_sparse(
         std::vector<std::int64_t> vcounts(size);
         for (int r = 0; r < size; ++r) vcounts[r] = head(r, 2) * row;
         const Layout vl = layout_of(vcounts, val.element_size());
-        at::Tensor vals = at::empty({vl.total}, val.options());
+        const at::Tensor vals = held(at::empty({vl.total}, val.options()));
         coll::allgatherv(context(kOp, tag + 2, dl, at::Tensor()), val.data_ptr(), vals.data_ptr(),
                          vl.bytes.data(), vl.displs.data());
 

@@ -20,11 +20,19 @@ constexpr std::chrono::milliseconds kCancelBound{1000};
 constexpr std::chrono::milliseconds kFirstCheck = kSpinningWait;
 constexpr std::chrono::milliseconds kCheckEvery{10};
 
-// Requests that did not finish even after cancel(), with the scratch they may still touch. Kept
-// until they complete; checked whenever a collective starts. Never destroyed (no work at exit).
+// Requests that did not finish even after cancel(), with the scratch they may still touch and
+// what callers handed over for them (hold_while_posted). Kept until they complete; checked
+// whenever a collective starts. Never destroyed (no work at exit).
 struct Parked {
+  const Communicator* comm = nullptr;  // the call's (nullptr: a notice's send)
+  std::uint32_t tag = 0;
   std::vector<Request> reqs;
   std::vector<std::unique_ptr<char[]>> scratch;
+  std::vector<std::shared_ptr<const void>> held;
+
+  bool finished() const {
+    return std::all_of(reqs.begin(), reqs.end(), [](const Request& r) { return r.done(); });
+  }
 };
 
 // The process's cache of scratch buffers: at most kPoolBytes in all, none larger than that. One
@@ -115,20 +123,17 @@ ParkingLot& parking() {
 void reap_parked() {
   ParkingLot& p = parking();
   if (!p.any.load(std::memory_order_acquire)) return;
-  std::lock_guard<std::mutex> g(p.mu);
-  p.lots.erase(std::remove_if(p.lots.begin(), p.lots.end(),
-                              [](const Parked& x) {
-                                return std::all_of(x.reqs.begin(), x.reqs.end(),
-                                                   [](const Request& r) { return r.done(); });
-                              }),
-               p.lots.end());
-  p.any.store(!p.lots.empty(), std::memory_order_release);
+  std::vector<Parked> done;  // freed after the lock is let go: a held owner may be a tensor
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    const auto first = std::stable_partition(p.lots.begin(), p.lots.end(),
+                                             [](const Parked& x) { return !x.finished(); });
+    done.assign(std::make_move_iterator(first), std::make_move_iterator(p.lots.end()));
+    p.lots.erase(first, p.lots.end());
+    p.any.store(!p.lots.empty(), std::memory_order_release);
+  }
 }
 
-}  // namespace
-
-namespace {
-thread_local bool t_left_posted = false;  // left_posted()
 }  // namespace
 
 void park(Request request, std::unique_ptr<char[]> data) {
@@ -343,8 +348,9 @@ std::string Exchange::cleanup_note() const {
   if (stuck_ == 0) return "";
   return "; " + std::to_string(stuck_) +
          " of its requests did not finish after cancel() and stay "
-         "posted (a rendezvous send to a peer that never received it): the communicator should be "
-         "shut down before the buffers are freed";
+         "posted (a rendezvous send to a peer that never received it): the call's buffers must "
+         "stay "
+         "allocated until they finish (coll::hold_while_posted)";
 }
 
 void Exchange::fail(Errc code, const std::string& what) {
@@ -405,13 +411,14 @@ void Exchange::abort() noexcept {
   first_open_ = reqs_.size();
   stuck_ += stuck.size();
   if (stuck.empty()) return;
-  t_left_posted = true;
   try {
     ParkingLot& p = parking();
     std::lock_guard<std::mutex> g(p.mu);
     p.lots.emplace_back();  // what may throw comes before anything is moved
     p.any.store(true, std::memory_order_release);
     Parked& parked = p.lots.back();
+    parked.comm = ctx_.comm;
+    parked.tag = ctx_.tag;
     parked.scratch.reserve(scratch_.size());
     parked.reqs = std::move(stuck);
     // Device scratch is left allocated (never released): UCX may still write into it, and the
@@ -441,6 +448,21 @@ void WorkStage::store() {
 }  // namespace commux::coll::detail
 
 namespace commux::coll {
-bool left_posted() noexcept { return detail::t_left_posted; }
-void reset_left_posted() noexcept { detail::t_left_posted = false; }
+
+bool hold_while_posted(const Communicator& comm, std::uint32_t first_tag, std::uint32_t ntags,
+                       std::shared_ptr<const void> owner) {
+  detail::reap_parked();  // what has finished since holds nothing more
+  detail::ParkingLot& p = detail::parking();
+  if (!p.any.load(std::memory_order_acquire)) return false;
+  std::lock_guard<std::mutex> g(p.mu);
+  bool any = false;
+  for (detail::Parked& x : p.lots) {
+    // (Wraps with the tag: a range may end past 2^32 - 1.)
+    if (x.comm != &comm || x.tag - first_tag >= ntags || x.finished()) continue;
+    any = true;
+    if (owner) x.held.push_back(owner);  // may throw (out of memory): nothing is changed then
+  }
+  return any;
+}
+
 }  // namespace commux::coll
