@@ -1155,6 +1155,10 @@ TEST(CollectiveFailures, WhatIsHeldForAFailedCallsTransfersIsReleasedWhenTheyFin
         const std::string msg = e.what();
         std::fprintf(stderr, "[rank 0] %s\n", msg.c_str());
         CX_CHECK_HAS(msg, "stay posted");
+        // How long the call waited, not the last slice of its wait ("Timed out after 8 ms").
+        const std::size_t at = msg.find("Timed out after ");
+        const long waited = at == std::string::npos ? -1 : std::stol(msg.substr(at + 16));
+        CX_CHECK(waited >= 250 && waited < 1000);
       }
       CX_CHECK(failed);
       const std::weak_ptr<const std::vector<char>> watch = buf;

@@ -196,8 +196,8 @@ void Exchange::invalid(const Context& ctx, const std::string& what) {
   throw Error(Errc::kInvalidArgument, ErrorSite{op_or_default(ctx.op_name), {}, {}, {}, {}}, what);
 }
 
-std::chrono::milliseconds Exchange::remaining() const {
-  const auto left = deadline_ - Clock::now();
+std::chrono::milliseconds Exchange::remaining(Clock::time_point now) const {
+  const auto left = deadline_ - now;
   if (left <= Clock::duration::zero()) return std::chrono::milliseconds(0);
   return std::chrono::ceil<std::chrono::milliseconds>(left);
 }
@@ -239,7 +239,12 @@ void Exchange::wait(std::size_t id) {
       if (s != nullptr && !blocking(s)) suspend_for(s, id);
     }
     // Finished already (a small message found at the post): no clock read, wait() only reports.
-    auto left = st != nullptr && st->finished() ? std::chrono::milliseconds(0) : remaining();
+    auto left = std::chrono::milliseconds(0);
+    if (st == nullptr || !st->finished()) {
+      const auto now = Clock::now();
+      began_waiting(now);
+      left = remaining(now);
+    }
     if (st != nullptr && left > kFirstCheck) {
       for (bool first = true;; first = false) {
         if (st->await(first ? kFirstCheck : kCheckEvery, first)) {
@@ -265,6 +270,7 @@ void Exchange::wait(std::size_t id) {
 void Exchange::suspend_for(Schedule::Impl* s, std::size_t id) {
   ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
   const auto since = Clock::now();
+  began_waiting(since);
   auto next = since + kFirstCheck;
   while (!st->test()) {       // one progress call: a small message may complete here
     if (blocking(s)) return;  // run_to_end(): the blocking wait below does the rest
@@ -366,13 +372,23 @@ void Exchange::fail(Errc code, const std::string& what) {
 }
 
 void Exchange::rethrow(const Error& e) {
+  const auto failed_at = Clock::now();  // (abort() may wait for cancellations)
   abort();
   // The collective names itself around the failed send or receive ("commux allreduce: recv:
   // timed out ..."), keeps its peer, tag, bytes and group, and is no longer posted: abort()
   // cancelled what was outstanding (cleanup_note() says what did not finish even then).
   ErrorSite site = e.site();
   site.op = ctx_.op_name;
-  std::string msg = e.describe();
+  std::string reason = e.reason();
+  const std::string lead = "Timed out after ";
+  const std::size_t ms = reason.rfind(lead, 0) == 0 ? reason.find(" ms", lead.size()) : reason.npos;
+  if (e.code() == Errc::kTimeout && ms != reason.npos && waiting_since_ != Clock::time_point{}) {
+    // The core names its last wait, one slice of this call's (see wait()): say how long it waited.
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(failed_at - waiting_since_);
+    reason.replace(lead.size(), ms - lead.size(), std::to_string(waited.count()));
+  }
+  std::string msg = e.site().op.empty() ? reason : e.site().op + ": " + reason;
   if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
   if (e.code() == Errc::kTimeout && stuck_ == 0)
     msg += "; the collective's requests were cancelled";

@@ -134,7 +134,12 @@ class Exchange {
   [[noreturn]] void noticed(int peer, const std::string& notice);
   // Sends this rank's notice about the call (once) to every other rank.
   void notify(char kind, const std::string& reason);
-  std::chrono::milliseconds remaining() const;
+  std::chrono::milliseconds remaining(Clock::time_point now = Clock::now()) const;
+  // The first time a wait had to wait (the clock is read then anyway): "Timed out after N ms"
+  // counts from there, where the core's wait would name only the length of its last slice.
+  void began_waiting(Clock::time_point now) noexcept {
+    if (waiting_since_ == Clock::time_point{}) waiting_since_ = now;
+  }
   [[noreturn]] void rethrow(const Error& e);
   void abort() noexcept;
   std::string cleanup_note() const;
@@ -149,6 +154,7 @@ class Exchange {
   int rank_;
   int size_;
   Clock::time_point deadline_;
+  Clock::time_point waiting_since_{};  // began_waiting()
   const char* phase_ = nullptr;
   // Every request posted, and whether it was waited for successfully (its outcome has been seen).
   struct Posted {
