@@ -259,13 +259,14 @@ def under_test(fn: Callable[[], object]):
         raise GlooLacks(f"gloo rejects this: {type(e).__name__}: {e}".splitlines()[0]) from None
 
 
-def group_with(env: dict):
+def group_with(env: dict, **kwargs):
     """A new group of every rank, created with the environment variables in `env` set (their
-    previous values, e.g. ones the whole run set, come back afterwards)."""
+    previous values, e.g. ones the whole run set, come back afterwards); `kwargs` go to
+    dist.new_group (a timeout, say)."""
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return dist.new_group(list(range(dist.get_world_size())))
+        return dist.new_group(list(range(dist.get_world_size())), **kwargs)
     finally:
         for k, v in before.items():
             if v is None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import mp
-from helpers import expect_raises
+from helpers import expect_raises, group_with
 from suite import BACKEND
 
 pytestmark = [pytest.mark.ucx, pytest.mark.oneoff]
@@ -383,15 +383,16 @@ def test_a_failed_list_calls_staging_outlives_its_posted_transfers():
         assert kept == 0, f"rank {o.rank}: {kept} tensors of the failed calls are still kept: {calls}"
 
 
-def _late_root_of_a_scaled_reduce(ctx, kind):
+def _late_root_of_a_scaled_reduce(ctx, kind, schedule):
     """2 ranks: rank 0 sends a PREMUL_SUM-scaled copy of its tensor (a copy the backend makes when
     the call runs) and times out, its rendezvous send still posted, because the other rank comes
     after rank 0's timeout. That copy used to be freed with the call, and the late receive then
     made the transport read freed memory on rank 0: rank 1's reduce returned a wrong sum, with no
-    error anywhere."""
+    error anywhere. With `schedule`, the calls are async and run as schedules (whose failure may
+    unwind on another thread than the one that started them)."""
     from datetime import timedelta
     me = ctx.rank
-    g = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    g = group_with({"COMMUX_SCHEDULE": "1" if schedule else "0"}, timeout=timedelta(seconds=2))
     dist.barrier(group=g)
     n = 1 << 20  # 4 MiB of float32: a rendezvous; memory that free() returns to the system
     x = torch.full((2 * n,) if kind == "reduce_scatter" else (n,), 1.0 + me)
@@ -399,26 +400,35 @@ def _late_root_of_a_scaled_reduce(ctx, kind):
     scaled = dist._make_nccl_premul_sum(2.0)
     if me == 1:
         time.sleep(3.0)  # past rank 0's timeout
-    if kind == "reduce":
-        r = expect_raises(lambda: dist.reduce(x, dst=1, op=scaled, group=g))
-    else:
-        r = expect_raises(lambda: dist.reduce_scatter_tensor(out, x, op=scaled, group=g))
+
+    def call():
+        if kind == "reduce":
+            w = dist.reduce(x, dst=1, op=scaled, group=g, async_op=schedule)
+        else:
+            w = dist.reduce_scatter_tensor(out, x, op=scaled, group=g, async_op=schedule)
+        if schedule:
+            w.wait()
+
+    r = expect_raises(call)
     dist.barrier(group=ctx.ref)
     time.sleep(0.5)  # the late transfer happens, or crashes, now
     dist.barrier(group=ctx.ref)
     got = (x if kind == "reduce" else out)[:: n // 7].tolist()
-    return r["raised"], r["msg"][:300], got
+    ran = g._get_backend(torch.device("cpu")).scheduled_calls
+    return r["raised"], r["msg"][:300], got, ran
 
 
 @pytest.mark.ucx_semantics  # a copy made by the commux backend
+@pytest.mark.parametrize("schedule", [False, True], ids=["blocking", "schedule"])
 @pytest.mark.parametrize("kind", ["reduce", "reduce_scatter"])
-def test_a_failed_calls_own_copies_outlive_its_posted_transfers(kind):
-    outs, closed = mp.run_once(_late_root_of_a_scaled_reduce, 2, kind, backend=BACKEND,
+def test_a_failed_calls_own_copies_outlive_its_posted_transfers(kind, schedule):
+    outs, closed = mp.run_once(_late_root_of_a_scaled_reduce, 2, kind, schedule, backend=BACKEND,
                                pg_timeout_s=60, timeout=120)
     assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
-    raised, msg, _ = outs[0].value
+    raised, msg, _, scheduled = outs[0].value
     assert raised and "Timed out" in msg, f"rank 0: {msg or 'returned'}"
+    assert bool(scheduled) == schedule, f"rank 0 ran {scheduled} calls as schedules"
     # Rank 1 came late: where its call returned, its result holds rank 0's scaled copy (2 * 1.0 +
     # 2 * 2.0). Before, it summed whatever the freed copy's memory held (4.0: silently wrong).
-    raised, msg, got = outs[1].value
+    raised, msg, got, _ = outs[1].value
     assert raised or got == [6.0] * len(got), f"rank 1 returned {got}"
