@@ -97,3 +97,15 @@ TEST(Error, EmptyRequestNamesTheRequest) {
     EXPECT_FALSE(e.still_posted());
   }
 }
+
+// A wait made in slices says how long it waited in all: the figure of "Timed out after N ms" is
+// replaced, at the start only unless `anywhere`, and nothing else is touched.
+TEST(Error, WithWaitLengthReplacesOnlyTheTimeoutFigure) {
+  EXPECT_EQ(commux::with_wait_length("Timed out after 8 ms (to peer 1)", 300),
+            "Timed out after 300 ms (to peer 1)");
+  EXPECT_EQ(commux::with_wait_length("recv: Timed out after 8 ms", 300),
+            "recv: Timed out after 8 ms");
+  EXPECT_EQ(commux::with_wait_length("recv: Timed out after 8 ms", 300, true),
+            "recv: Timed out after 300 ms");
+  EXPECT_EQ(commux::with_wait_length("peer 1 is gone", 300, true), "peer 1 is gone");
+}

@@ -32,6 +32,12 @@ enum class Errc {
 
 const char* errc_name(Errc code) noexcept;
 
+// `reason` of a timeout ("Timed out after N ms (...)", as a wait says it) with N replaced by `ms`:
+// a wait names its own length, and a caller that waited in slices (a collective, a Work) knows how
+// long the whole wait was. Unchanged when it does not start that way (or, with `anywhere`, contain
+// it).
+std::string with_wait_length(std::string reason, long long ms, bool anywhere = false);
+
 // What an error is about. Every field is optional: unset means "not known here".
 struct ErrorSite {
   std::string op;                    // "send", "allreduce", "init", ... ("" = none)

@@ -53,16 +53,6 @@ void throw_backend_error(const std::string& message) {
   throw c10::DistBackendError(message, nullptr);
 }
 
-std::string with_wait_length(std::string reason, long long ms, bool anywhere) {
-  const std::string lead = "Timed out after ";
-  const std::size_t at = reason.find(lead);
-  if (at == std::string::npos || (at != 0 && !anywhere)) return reason;
-  const std::size_t end = reason.find(" ms", at);
-  if (end == std::string::npos) return reason;
-  reason.replace(at + lead.size(), end - at - lead.size(), std::to_string(ms));
-  return reason;
-}
-
 std::string current_message() {
   try {
     throw;

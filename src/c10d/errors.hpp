@@ -22,10 +22,6 @@ std::exception_ptr to_torch_error(std::exception_ptr e);
 // Every error the backend raises for its users is made by these.
 [[noreturn]] void throw_value_error(const std::string& message);
 [[noreturn]] void throw_backend_error(const std::string& message);
-// `reason` of a core timeout ("Timed out after N ms (...)") with N replaced by `ms`: the core
-// names its last wait, and a caller that waited in slices knows how long the whole wait was.
-// Unchanged when it does not start that way (or, with `anywhere`, contain it).
-std::string with_wait_length(std::string reason, long long ms, bool anywhere = false);
 // The message of the exception being handled, without c10's backtrace (for a message that quotes
 // another error: a c10::Error's what() carries the backtrace).
 std::string current_message();

@@ -205,10 +205,7 @@ void Exchange::poll_caller() {
 }
 
 void Exchange::noticed(int peer, const std::string& notice) {
-  const NoticeText n = split_notice(notice);
-  const char kind = n.kind;
-  const std::string& what = n.what;
-  const std::string& reason = n.reason;
+  const auto [kind, what, reason] = split_notice(notice);
   const std::string mine = describe_call();
   std::string msg;
   if (kind == 'R') {

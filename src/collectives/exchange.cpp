@@ -355,8 +355,7 @@ std::string Exchange::cleanup_note() const {
   return "; " + std::to_string(stuck_) +
          " of its requests did not finish after cancel() and stay "
          "posted (a rendezvous send to a peer that never received it): the call's buffers must "
-         "stay "
-         "allocated until they finish (coll::hold_while_posted)";
+         "stay allocated until they finish (coll::hold_while_posted)";
 }
 
 void Exchange::fail(Errc code, const std::string& what) {
@@ -380,13 +379,11 @@ void Exchange::rethrow(const Error& e) {
   ErrorSite site = e.site();
   site.op = ctx_.op_name;
   std::string reason = e.reason();
-  const std::string lead = "Timed out after ";
-  const std::size_t ms = reason.rfind(lead, 0) == 0 ? reason.find(" ms", lead.size()) : reason.npos;
-  if (e.code() == Errc::kTimeout && ms != reason.npos && waiting_since_ != Clock::time_point{}) {
+  if (e.code() == Errc::kTimeout && waiting_since_ != Clock::time_point{}) {
     // The core names its last wait, one slice of this call's (see wait()): say how long it waited.
-    const auto waited =
-        std::chrono::duration_cast<std::chrono::milliseconds>(failed_at - waiting_since_);
-    reason.replace(lead.size(), ms - lead.size(), std::to_string(waited.count()));
+    reason = with_wait_length(
+        std::move(reason),
+        std::chrono::duration_cast<std::chrono::milliseconds>(failed_at - waiting_since_).count());
   }
   std::string msg = e.site().op.empty() ? reason : e.site().op + ": " + reason;
   if (phase_ != nullptr) msg += std::string(" [") + phase_ + "]";
@@ -476,7 +473,7 @@ bool hold_while_posted(const Communicator& comm, std::uint32_t first_tag, std::u
     // (Wraps with the tag: a range may end past 2^32 - 1.)
     if (x.comm != &comm || x.tag - first_tag >= ntags || x.finished()) continue;
     any = true;
-    if (owner) x.held.push_back(owner);  // may throw (out of memory): nothing is changed then
+    if (owner) x.held.push_back(owner);  // may throw (out of memory), the owner then held by some
   }
   return any;
 }

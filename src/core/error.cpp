@@ -6,6 +6,16 @@
 
 namespace commux {
 
+std::string with_wait_length(std::string reason, long long ms, bool anywhere) {
+  const std::string lead = "Timed out after ";
+  const std::size_t at = reason.find(lead);
+  if (at == std::string::npos || (at != 0 && !anywhere)) return reason;
+  const std::size_t end = reason.find(" ms", at);
+  if (end == std::string::npos) return reason;
+  reason.replace(at + lead.size(), end - at - lead.size(), std::to_string(ms));
+  return reason;
+}
+
 const char* errc_name(Errc code) noexcept {
   switch (code) {
     case Errc::kInvalidArgument: return "invalid argument";
