@@ -619,6 +619,47 @@ def test_a_future_callback_may_wait_for_another_async_collective(ranks, ws):
         assert r == {"inflight=1": 0, "schedule": 8, "schedule, progress_resumes=0": 8}, r
 
 
+def _thread_name(tid):
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
+def _callback_threads(ctx):
+    """Async all_reduces whose futures' callbacks record the thread they run on, with the schedules
+    resumed by the core's progress thread (which hands such futures to a pool thread) and by pool
+    threads; rank 0 issues early, so its callbacks run on a commux thread. Returns the names of
+    the non-main threads the callbacks ran on, and how many threads are named commux-progress."""
+    import threading
+    W, me = ctx.world, ctx.rank
+    names = set()
+    for resumes in ("1", "0"):
+        g = _group_with("COMMUX_SCHEDULE", "1", COMMUX_PROGRESS_RESUMES=resumes)
+        for i in range(3):
+            x = torch.full((1000,), float(me + i))
+            dist.barrier()
+            if me != 0:
+                time.sleep(0.2)
+            ran_on = []
+            fut = dist.all_reduce(x, async_op=True, group=g).get_future()
+            fut.then(lambda f: ran_on.append(threading.get_native_id())).wait()
+            check_equal(f"all_reduce #{i} (progress resumes {resumes})", x,
+                        torch.full((1000,), float(sum(r + i for r in range(W)))))
+            names.update(_thread_name(t) for t in ran_on if t != threading.get_native_id())
+    progress = sum(_thread_name(t) == "commux-progress" for t in os.listdir("/proc/self/task"))
+    return {"callback threads": sorted(names), "progress threads": progress}
+
+
+@pytest.mark.ucx_semantics  # commux's threads
+@worlds(2)
+def test_future_callbacks_run_on_threads_named_commux_pool(ranks, ws):
+    """A pool thread started from the core's progress thread (to complete a future the progress
+    thread finished) took that thread's name: top -H, perf and this test saw two or more
+    "commux-progress" threads, and callbacks seemingly on the progress thread, which never runs
+    user code. The pool threads are named commux-pool."""
+    r0 = ranks.run(_callback_threads, timeout=60)[0]
+    assert r0 == {"callback threads": ["commux-pool"], "progress threads": 1}, r0
+
+
 def _blocked_cpu(ctx):
     """An async all_reduce that waits 1.5 s for a late rank, waited for at once (a waiter resumes
     the schedule) and polled with is_completed() (the pool thread resumes it): rank 0's process

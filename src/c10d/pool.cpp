@@ -2,6 +2,8 @@
 
 #include "work.hpp"
 
+#include <pthread.h>
+
 #include <thread>
 
 namespace commux::c10d_detail {
@@ -34,6 +36,10 @@ int CollectivePool::threads() {
 }
 
 void CollectivePool::loop() {
+  // Named for top -H, perf and the tests; a thread takes the name of the one that starts it, so
+  // one started from the core's progress thread (a future handed on from there) would otherwise
+  // be shown as that thread.
+  ::pthread_setname_np(::pthread_self(), "commux-pool");
   CallbackScope::on_commux_thread();  // the futures it completes: see work.hpp
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
