@@ -340,10 +340,11 @@ step_cpu_async() {
   export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   local k
   for k in 64 1024; do
-    "$PY" bench/experiments/async_overlap.py --inflight auto --schedule on,off --rounds 40 --kib "$k"
+    "$PY" bench/experiments/async_overlap.py --inflight auto --schedule on,off --rounds 20 \
+      --passes 5 --kib "$k"
   done
-  for k in 64 256; do
-    "$PY" bench/experiments/schedule_ab.py --kib "$k" --rounds 30
+  for k in 64 1024; do  # each variant in launches of its own (where the pool/progress figures differ)
+    "$PY" bench/experiments/schedule_ab.py --kib "$k" --rounds 20 --launches 2
   done
 }
 

@@ -15,7 +15,8 @@
 #   bench        a smoke run of the C++ benchmark (correctness only; timings not judged)
 #   python       the package (pip install . --no-build-isolation, torch 2.13 CPU) and its tests,
 #                then the Work, collectives and DDP suites again with COMMUX_INFLIGHT=4 and
-#                COMMUX_SCHEDULE=1 (async collectives as schedules)
+#                COMMUX_SCHEDULE=1 (async collectives as schedules), and the Work and DDP suites
+#                with COMMUX_PROGRESS_RESUMES=1 (the progress thread resumes them)
 #   wheel        the wheel as users install it (python/tests/wheel): `pip wheel .` (incremental, in
 #                the python stage's build directory) and the bundled wheel (COMMUX_UCX_PROVIDER=
 #                bundled), installed in turn into one fresh venv holding only torch: commux.info,
@@ -146,6 +147,9 @@ stage_python() {
   # gives 1 on this machine's 3- and 4-rank groups): the Work, collectives and DDP suites.
   COMMUX_INFLIGHT=4 COMMUX_SCHEDULE=1 run_pytest .venv/bin/python python/tests/test_work.py \
     python/tests/test_collectives.py python/tests/test_ddp.py python/tests/test_group_window.py
+  # And with the progress thread resuming the schedules (off by default): the Work and DDP suites.
+  COMMUX_SCHEDULE=1 COMMUX_PROGRESS_RESUMES=1 run_pytest .venv/bin/python \
+    python/tests/test_work.py python/tests/test_ddp.py
 }
 
 stage_wheel() {

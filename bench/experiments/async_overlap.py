@@ -3,11 +3,14 @@
 blocking ones, for "ucx" and "gloo" in the same launch.
 
     .venv/bin/python bench/experiments/async_overlap.py [--ranks 2] [--count 8] [--kib 64]
-                                                        [--rounds 50] [--inflight 2]
+                                                        [--rounds 50] [--passes 10] [--inflight 2]
 
-Each round runs, per backend (alternating which goes first), K blocking all_reduce calls of
---kib KiB float32, then K all_reduce(async_op=True) calls followed by K wait()s; a round's time is
-the slowest rank's (a barrier on a third, gloo, group before each). Every result is checked
+Each round runs, per backend (alternating which goes first), --passes passes of K blocking
+all_reduce calls of --kib KiB float32, then as many of K all_reduce(async_op=True) calls followed
+by K wait()s; a round's time is the slowest rank's mean pass (the measured group's own barrier
+before each: gloo's leaves the ranks tens of microseconds apart, as much as a pass takes at small
+sizes). The groups share the processes, and so their progress thread: schedule_ab.py runs each
+variant in launches of its own. Every result is checked
 (integer-valued inputs, exact sums). Prints the median over rounds and async/blocking per backend;
 issue 14 asks that async < blocking (the overlap is real). --inflight 1,2,auto adds a "ucx" group
 per COMMUX_INFLIGHT value (collectives of one group run at once), --schedule on,off one per
@@ -42,6 +45,7 @@ def run_rank(job):
     me, world = dist.get_rank(), dist.get_world_size()
     n = job["kib"] * 256
     k = job["count"]
+    passes = job["passes"]
     times = {b: {"blocking": [], "async": []} for b in groups}
     wrong = 0
     for rnd in range(job["rounds"] + 2):  # the first two are warm-up
@@ -49,20 +53,23 @@ def run_rank(job):
         for backend in order:
             g = groups[backend]
             for mode in ("blocking", "async"):
-                xs = [torch.full((n,), float(me + i + rnd)) for i in range(k)]
-                dist.barrier()
+                sets = [[torch.full((n,), float(me + i + rnd + p)) for i in range(k)]
+                        for p in range(passes)]
+                dist.barrier(group=g)  # the measured group's own: gloo's leaves ranks far apart
                 t0 = time.perf_counter()
-                if mode == "blocking":
-                    for x in xs:
-                        dist.all_reduce(x, group=g)
-                else:
-                    works = [dist.all_reduce(x, group=g, async_op=True) for x in xs]
-                    for w in works:
-                        w.wait()
-                dt = time.perf_counter() - t0
-                for i, x in enumerate(xs):
-                    want = float(sum(r + i + rnd for r in range(world)))
-                    wrong += int((x != want).sum())
+                for xs in sets:
+                    if mode == "blocking":
+                        for x in xs:
+                            dist.all_reduce(x, group=g)
+                    else:
+                        works = [dist.all_reduce(x, group=g, async_op=True) for x in xs]
+                        for w in works:
+                            w.wait()
+                dt = (time.perf_counter() - t0) / passes
+                for p, xs in enumerate(sets):
+                    for i, x in enumerate(xs):
+                        want = float(sum(r + i + rnd + p for r in range(world)))
+                        wrong += int((x != want).sum())
                 if rnd >= 2:
                     times[backend][mode].append(dt)
     return {"times": times, "wrong": wrong}
@@ -81,6 +88,8 @@ def main():
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--kib", type=int, default=64)
     p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--passes", type=int, default=10,
+                   help="passes of K calls per timed round (a round's time is their mean)")
     p.add_argument("--inflight", default="auto",
                    help="COMMUX_INFLIGHT values (auto or 1..64), one ucx group each")
     p.add_argument("--schedule", default="on",
@@ -89,7 +98,8 @@ def main():
     inflight = a.inflight.split(",")
     schedule = a.schedule.split(",")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "inflight": inflight,
+    job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "passes": a.passes,
+           "inflight": inflight,
            "schedule": schedule, "env": {}}
     results, errors = launch_ranks(a.ranks, run_rank, job, 600, "async overlap")
     for e in errors:

@@ -46,6 +46,8 @@ def main():
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--kib", type=int, default=64)
     p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--passes", type=int, default=10,
+                   help="passes of K calls per timed round (async_overlap.py)")
     p.add_argument("--inflight", default="1,2,4")
     p.add_argument("--schedule", default="on", help="COMMUX_SCHEDULE values (on, off)")
     p.add_argument("--timeout", type=int, default=600)
@@ -74,7 +76,8 @@ def main():
                     print(f"inflight_netns: tc netem: {r.stderr.strip()} (this kernel may lack "
                           "sch_netem); --delay-us 0 runs over the bare veth pair", file=sys.stderr)
                     return 1
-        job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "inflight": inflight,
+        job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "passes": a.passes,
+               "inflight": inflight,
                "schedule": schedule}
         port = free_port()
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,20 +1,25 @@
 #!/usr/bin/env python3
-"""COMMUX_SCHEDULE (and COMMUX_PROGRESS_RESUMES) on against off in one launch: async all_reduces
-waited the three ways torch code waits for them, and a DDP training step.
+"""Where async collectives should run: COMMUX_SCHEDULE on (the progress thread or a pool thread
+resuming the schedules nobody waits for: COMMUX_PROGRESS_RESUMES=1 or 0) against off, for async
+all_reduces waited the ways torch code waits for them, and a DDP training step.
 
-    .venv/bin/python bench/experiments/schedule_ab.py [--ranks 2] [--kib 256] [--rounds 40]
+    .venv/bin/python bench/experiments/schedule_ab.py [--ranks 2] [--kib 64] [--rounds 15]
+                                                      [--passes 10] [--launches 2]
 
-Per "ucx" group (COMMUX_SCHEDULE=1 with the progress thread resuming the schedules nobody waits
-for, the same with COMMUX_PROGRESS_RESUMES=0 (a pool thread runs them to their end), and
-COMMUX_SCHEDULE=0; plus gloo for the DDP step), rounds interleaved across them:
-  work1  one all_reduce(async_op=True), then Work.wait()      (a waiter resumes the schedule)
-  fut1   one, then get_future().wait()                        (nobody resumes it but the
-                                                               progress or a pool thread)
-  fut8   eight issued back to back, then each future waited  (DDP's buckets)
-  ddp    one DistributedDataParallel step (8 Linear(256, 256), 0.25 MB buckets, SGD)
-Medians over rounds of rank 0's time (a barrier on a gloo group before each). Every all_reduce
-result is checked, and the DDP parameters must be equal across backends after the run.
-UCX_NET_DEVICES=lo unless set.
+Each variant runs in launches of its own, alternated (--launches of each): the variants share no
+process, so none of them weighs on another's figures through the process's one progress thread,
+and the default group is the measured one, whose own barrier lines the ranks up (gloo's leaves
+them tens of microseconds apart, more than the calls themselves take at small sizes). Per round,
+each of these is timed over --passes passes after a barrier, rounds interleaving them:
+  blocking  8 blocking all_reduces (the reference of the ratios)
+  work1     8 times: one all_reduce(async_op=True), then Work.wait()  (a waiter resumes it)
+  fut1      8 times: one, then get_future().wait()  (nobody resumes it but a commux thread)
+  async8    8 issued back to back, then each Work.wait()ed  (issue 14: less than blocking)
+  fut8      8 issued back to back, then each future waited  (DDP's buckets)
+  ddp       one DistributedDataParallel step (8 Linear(256, 256), 0.25 MB buckets, SGD)
+Prints, per variant, the median over its launches of each launch's median (slowest rank's time
+per pass, µs) and the ratio to that launch's blocking figure. Every all_reduce result is checked,
+and the DDP parameters must be equal on every rank of every launch. UCX_NET_DEVICES=lo unless set.
 """
 import argparse
 import os
@@ -27,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.lib.launch import launch_ranks  # noqa: E402
 
 
-VARIANTS = (  # label: the environment its group is created with
+VARIANTS = (  # label: the environment of its launches
     ("on+progress", {"COMMUX_SCHEDULE": "1", "COMMUX_PROGRESS_RESUMES": "1"}),
     ("on+pool", {"COMMUX_SCHEDULE": "1", "COMMUX_PROGRESS_RESUMES": "0"}),
     ("off", {"COMMUX_SCHEDULE": "0"}),
 )
+MODES = ("blocking", "work1", "fut1", "async8", "fut8", "ddp")
+K = 8  # all_reduces per pass
 
 
 def run_rank(job):
@@ -40,88 +47,112 @@ def run_rank(job):
     import commux  # noqa: F401  (registers "ucx")
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://")
+    dist.init_process_group("ucx", init_method="env://")
     me, world = dist.get_rank(), dist.get_world_size()
-    groups = {}
-    for label, env in VARIANTS:
-        os.environ.update(env)  # read when the group is created
-        groups[label] = dist.new_group(backend="ucx")
-        for k in env:
-            del os.environ[k]
-    groups["gloo"] = dist.new_group(backend="gloo")
-    n = job["kib"] * 256
-    want = float(sum(r + 1 for r in range(world)))
-    wrong, params = 0, {}
-    times = {}
-    # Rounds interleave the variants, so that a change of the machine's pace hits them alike.
-    for mode in ("work1", "fut1", "fut8"):
-        for _ in range(job["rounds"] + 3):
-            for label, g in groups.items():
-                if label == "gloo":
-                    continue
-                xs = [torch.full((n,), float(me + 1)) for _ in range(8 if mode == "fut8" else 1)]
-                dist.barrier()
-                t0 = time.perf_counter()
-                works = [dist.all_reduce(x, async_op=True, group=g) for x in xs]
-                for w in works:
-                    if mode == "work1":
-                        w.wait()
-                    else:
-                        w.get_future().wait()
-                times.setdefault((label, mode), []).append(time.perf_counter() - t0)
-                wrong += sum(int((x != want).sum()) for x in xs)
-    models = {}
-    for label, g in groups.items():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-        ddp = DDP(model, process_group=g, bucket_cap_mb=0.25)
-        models[label] = (model, ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
-    x = torch.full((32, 256), 0.01 * (me + 1))
-    for _ in range(job["rounds"] + 3):
-        for label, (model, ddp, opt) in models.items():
+    n, passes = job["kib"] * 256, job["passes"]
+    sets = [[torch.empty(n) for _ in range(K)] for _ in range(passes)]
+    wrong = 0
+
+    def calls(mode, xs):
+        if mode == "blocking":
+            for x in xs:
+                dist.all_reduce(x)
+        elif mode == "work1":
+            for x in xs:
+                dist.all_reduce(x, async_op=True).wait()
+        elif mode == "fut1":
+            for x in xs:
+                dist.all_reduce(x, async_op=True).get_future().wait()
+        else:
+            works = [dist.all_reduce(x, async_op=True) for x in xs]
+            for w in works:
+                if mode == "async8":
+                    w.wait()
+                else:
+                    w.get_future().wait()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    ddp = DDP(model, bucket_cap_mb=0.25)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    inp = torch.full((32, 256), 0.01 * (me + 1))
+
+    def ddp_step():
+        opt.zero_grad()
+        ddp(inp).square().mean().backward()
+        opt.step()
+
+    times = {m: [] for m in MODES}
+    for rnd in range(job["rounds"] + 2):  # the first two are warm-up
+        for mode in MODES:
+            for p, xs in enumerate(sets):
+                for i, x in enumerate(xs):
+                    x.fill_(float(me + i + p))
             dist.barrier()
             t0 = time.perf_counter()
-            opt.zero_grad()
-            ddp(x).square().mean().backward()
-            opt.step()
-            times.setdefault((label, "ddp"), []).append(time.perf_counter() - t0)
-    for label, (model, _, _) in models.items():
-        params[label] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ref = params["gloo"]
-    for label, p in params.items():
-        if not torch.allclose(p, ref, rtol=1e-5, atol=1e-6):
-            wrong += 1
-            print(f"schedule_ab: rank {me}: DDP parameters on {label} differ from gloo's",
-                  file=sys.stderr)
-    out = {f"{k[0]}|{k[1]}": statistics.median(v[3:]) * 1e6 for k, v in times.items()}
-    return {"times": out, "wrong": wrong}
+            for xs in sets:
+                if mode == "ddp":
+                    ddp_step()
+                else:
+                    calls(mode, xs)
+            dt = (time.perf_counter() - t0) / passes
+            if mode != "ddp":
+                for p, xs in enumerate(sets):
+                    for i, x in enumerate(xs):
+                        wrong += int((x != float(sum(r + i + p for r in range(world)))).sum())
+            if rnd >= 2:
+                times[mode].append(dt * 1e6)
+    params = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    dist.destroy_process_group()
+    return {"times": times, "wrong": wrong, "params": params.tolist()[:4096]}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--kib", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--kib", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--passes", type=int, default=10)
+    p.add_argument("--launches", type=int, default=2, help="launches of each variant, alternated")
     a = p.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    job = {"kib": a.kib, "rounds": a.rounds, "env": {}}
-    results, errors = launch_ranks(a.ranks, run_rank, job, 600, "schedule a/b")
-    for e in errors:
-        print(f"schedule_ab: {e}", file=sys.stderr)
-    if errors or len(results) != a.ranks:
-        return 1
-    t = results[0]["times"]
-    print(f"{a.ranks} ranks, all_reduce of {a.kib} KiB, median of {a.rounds} rounds, rank 0's µs")
-    labels = [v[0] for v in VARIANTS]
-    print("| what | " + " | ".join(f"schedule={x}" for x in labels) +
-          " | progress/pool | progress/off | gloo |")
-    print("|---|" + "---:|" * (len(labels) + 3))
-    for mode in ("work1", "fut1", "fut8", "ddp"):
-        v = [t[f"{x}|{mode}"] for x in labels]
-        gloo = t.get(f"gloo|{mode}")
-        print(f"| {mode} | " + " | ".join(f"{x:.1f}" for x in v) +
-              f" | {v[0] / v[1]:.2f} | {v[0] / v[2]:.2f} | {'' if gloo is None else f'{gloo:.1f}'} |")
-    wrong = sum(r["wrong"] for r in results.values())
+    figures = {label: [] for label, _ in VARIANTS}  # per launch: mode -> µs
+    wrong, params = 0, None
+    for launch in range(a.launches):
+        order = VARIANTS if launch % 2 == 0 else tuple(reversed(VARIANTS))
+        for label, env in order:
+            job = {"kib": a.kib, "rounds": a.rounds, "passes": a.passes, "env": env}
+            results, errors = launch_ranks(a.ranks, run_rank, job, 600, f"schedule a/b {label}")
+            for e in errors:
+                print(f"schedule_ab: {label}: {e}", file=sys.stderr)
+            if errors or len(results) != a.ranks:
+                return 1
+            rounds = len(results[0]["times"]["blocking"])
+            figures[label].append({
+                m: statistics.median(max(results[r]["times"][m][i] for r in results)
+                                     for i in range(rounds))
+                for m in MODES})
+            for r, res in results.items():
+                wrong += res["wrong"]
+                if params is None:
+                    params = res["params"]
+                elif res["params"] != params:
+                    wrong += 1
+                    print(f"schedule_ab: {label}: rank {r}'s DDP parameters differ from the "
+                          "first launch's", file=sys.stderr)
+    print(f"{a.ranks} ranks, all_reduce of {a.kib} KiB (DDP: 8 Linear(256, 256)), µs per pass "
+          f"(slowest rank), median of {a.rounds} rounds, then of {a.launches} launches per "
+          "variant; (ratio to the launch's blocking)")
+    labels = [label for label, _ in VARIANTS]
+    print("| what | " + " | ".join(labels) + " |")
+    print("|---|" + "---:|" * len(labels))
+    for m in MODES:
+        cells = []
+        for label in labels:
+            us = statistics.median(f[m] for f in figures[label])
+            ratio = statistics.median(f[m] / f["blocking"] for f in figures[label])
+            cells.append(f"{us:.1f} ({ratio:.2f})")
+        print(f"| {m} | " + " | ".join(cells) + " |")
     print(f"#wrong: {wrong}")
     return 1 if wrong else 0
 

@@ -47,7 +47,7 @@ struct Settings {
   bool aten_reduce = false;                                    // COMMUX_ATEN_REDUCE
   bool caller_runs = true;                                     // COMMUX_CALLER_RUNS
   bool schedule = false;                                       // COMMUX_SCHEDULE
-  bool progress_resumes = true;                                // COMMUX_PROGRESS_RESUMES
+  bool progress_resumes = false;                               // COMMUX_PROGRESS_RESUMES
   int inflight = 0;                                            // COMMUX_INFLIGHT, 0 = auto
   // Once per process.
   bool ep_aten = false;       // COMMUX_EP_ATEN

@@ -55,14 +55,15 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_SCHEDULE", "bool", "off", kPerComm,
        "the torch backend starts an async CPU collective on the calling thread as a schedule "
        "(coll::Schedule): its first step is posted before the call returns, and later steps run "
-       "on whichever thread resumes it (a waiter in Work.wait(), else the progress thread: "
-       "COMMUX_PROGRESS_RESUMES), "
+       "on whichever thread resumes it (a waiter in Work.wait(), else a collective thread, or the "
+       "progress thread with COMMUX_PROGRESS_RESUMES), "
        "holding no thread while it waits (needs COMMUX_CALLER_RUNS); off: a collective thread runs "
        "it whole. Off by default until it measures faster (docs/torch-backend.md)"},
-      {"COMMUX_PROGRESS_RESUMES", "bool", "on", kPerComm,
+      {"COMMUX_PROGRESS_RESUMES", "bool", "off", kPerComm,
        "with COMMUX_SCHEDULE, the core's progress thread resumes the schedules nobody waits for "
        "(and starts those queued behind them) between its progress calls; off: a collective "
-       "thread runs them to their end"},
+       "thread runs them to their end. Off by default: slower in every pattern measured "
+       "(docs/torch-backend.md)"},
       {"COMMUX_INFLIGHT", "auto/int", "auto", kPerComm,
        "the torch backend runs up to this many CPU collectives of one group at once, started in "
        "issue order; one whose tensors overlap a running one's waits for it, and a barrier, a "
