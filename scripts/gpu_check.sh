@@ -344,7 +344,7 @@ step_cpu_async() {
       --passes 5 --kib "$k"
   done
   for k in 64 1024; do  # each variant in launches of its own (where the pool/progress figures differ)
-    "$PY" bench/experiments/schedule_ab.py --kib "$k" --rounds 20 --launches 2
+    "$PY" bench/experiments/schedule_ab.py --kib "$k" --rounds 10 --passes 5 --launches 1
   done
 }
 
