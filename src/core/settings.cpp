@@ -62,8 +62,8 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_PROGRESS_RESUMES", "bool", "off", kPerComm,
        "with COMMUX_SCHEDULE, the core's progress thread resumes the schedules nobody waits for "
        "(and starts those queued behind them) between its progress calls; off: a collective "
-       "thread runs them to their end. Off by default: slower in every pattern measured "
-       "(docs/torch-backend.md)"},
+       "thread runs them to their end. Off by default: slower than that up to 256 KiB, measured "
+       "on 2 cores (docs/torch-backend.md)"},
       {"COMMUX_INFLIGHT", "auto/int", "auto", kPerComm,
        "the torch backend runs up to this many CPU collectives of one group at once, started in "
        "issue order; one whose tensors overlap a running one's waits for it, and a barrier, a "
