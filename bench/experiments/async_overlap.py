@@ -99,8 +99,7 @@ def main():
     schedule = a.schedule.split(",")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     job = {"count": a.count, "kib": a.kib, "rounds": a.rounds, "passes": a.passes,
-           "inflight": inflight,
-           "schedule": schedule, "env": {}}
+           "inflight": inflight, "schedule": schedule, "env": {}}
     results, errors = launch_ranks(a.ranks, run_rank, job, 600, "async overlap")
     for e in errors:
         print(f"async_overlap: {e}", file=sys.stderr)

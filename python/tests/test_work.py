@@ -620,8 +620,12 @@ def test_a_future_callback_may_wait_for_another_async_collective(ranks, ws):
 
 
 def _thread_name(tid):
-    with open(f"/proc/self/task/{tid}/comm") as f:
-        return f.read().strip()
+    """The thread's name, "" if it has ended since it was listed (an idle pool thread retires)."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _callback_threads(ctx):
