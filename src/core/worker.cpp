@@ -282,7 +282,12 @@ void Worker::progress_thread_main() {
     // the caller's computation), a held post (its gate is polled), a driver's listed work (only
     // this thread resumes it). A kick (a waiter handing progress back or going to sleep, work
     // for a driver) is obeyed at once.
-    const bool background = drivers_busy || inflight_large_.load() > 0 || held_.load() > 0;
+    // Nor while a caller sleeps in wait(): it progressed the worker once before it went to sleep,
+    // and now only this thread completes what it waits for. (sleepers_ is read after parked_ is
+    // set, and a caller reads parked_ after counting itself a sleeper, so one of the two sees the
+    // other: this thread does not park, or the caller kicks it.)
+    const bool background =
+        drivers_busy || inflight_large_.load() > 0 || held_.load() > 0 || sleepers_.load() > 0;
     if (spinning || (progressed != progress_seen && !kicked && !background)) {
       progress_seen = progressed;
       auto park = kSpinnerPark;
