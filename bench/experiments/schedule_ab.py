@@ -5,6 +5,7 @@ all_reduces waited the ways torch code waits for them, and a DDP training step.
 
     .venv/bin/python bench/experiments/schedule_ab.py [--ranks 2] [--kib 64] [--rounds 15]
                                                       [--passes 10] [--launches 2]
+                                                      [--variant LABEL:NAME=VALUE,... ...]
 
 Each variant runs in launches of its own, alternated (--launches of each): the variants share no
 process, so none of them weighs on another's figures through the process's one progress thread,
@@ -20,6 +21,8 @@ each of these is timed over --passes passes after a barrier, rounds interleaving
 Prints, per variant, the median over its launches of each launch's median (slowest rank's time
 per pass, µs) and the ratio to that launch's blocking figure. Every all_reduce result is checked,
 and the DDP parameters must be equal on every rank of every launch. UCX_NET_DEVICES=lo unless set.
+--variant (repeatable) measures the given variants instead of the three above, e.g.
+--variant inflight1:COMMUX_INFLIGHT=1 --variant default: (an empty environment: the defaults).
 """
 import argparse
 import os
@@ -114,12 +117,22 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--passes", type=int, default=10)
     p.add_argument("--launches", type=int, default=2, help="launches of each variant, alternated")
+    p.add_argument("--variant", action="append", default=[],
+                   help="LABEL:NAME=VALUE,... (repeatable): measure these instead")
     a = p.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    figures = {label: [] for label, _ in VARIANTS}  # per launch: mode -> µs
+    variants = VARIANTS
+    if a.variant:
+        variants = []
+        for v in a.variant:
+            label, _, spec = v.partition(":")
+            env = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+            variants.append((label, env))
+        variants = tuple(variants)
+    figures = {label: [] for label, _ in variants}  # per launch: mode -> µs
     wrong, params = 0, None
     for launch in range(a.launches):
-        order = VARIANTS if launch % 2 == 0 else tuple(reversed(VARIANTS))
+        order = variants if launch % 2 == 0 else tuple(reversed(variants))
         for label, env in order:
             job = {"kib": a.kib, "rounds": a.rounds, "passes": a.passes, "env": env}
             results, errors = launch_ranks(a.ranks, run_rank, job, 600, f"schedule a/b {label}")
@@ -143,7 +156,7 @@ def main():
     print(f"{a.ranks} ranks, all_reduce of {a.kib} KiB (DDP: 8 Linear(256, 256)), µs per pass "
           f"(slowest rank), median of {a.rounds} rounds, then of {a.launches} launches per "
           "variant; (ratio to the launch's blocking)")
-    labels = [label for label, _ in VARIANTS]
+    labels = [label for label, _ in variants]
     print("| what | " + " | ".join(labels) + " |")
     print("|---|" + "---:|" * len(labels))
     for m in MODES:

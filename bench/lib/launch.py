@@ -81,6 +81,10 @@ def rank_entry(rank, world, port, worker, job, out_dir):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    # The interpreter has started: a PYTHONPATH given here (an A/B of two installed builds) goes to
+    # the front of sys.path as well, before the worker imports commux.
+    if job.get("env", {}).get("PYTHONPATH"):
+        sys.path[0:0] = job["env"]["PYTHONPATH"].split(os.pathsep)
     faulthandler.dump_traceback_later(max(10, job["launch_timeout_s"] - 15), exit=True)
     out = Path(out_dir)
     try:
