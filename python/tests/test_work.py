@@ -664,6 +664,53 @@ def test_future_callbacks_run_on_threads_named_commux_pool(ranks, ws):
     assert r0 == {"callback threads": ["commux-pool"], "progress threads": 1}, r0
 
 
+def _pool_threads():
+    return sum(_thread_name(t) == "commux-pool" for t in os.listdir("/proc/self/task"))
+
+
+def _pool_after_a_burst(ctx):
+    """Bursts of 8 async all_reduces waited through their futures (the pool grows to what they
+    need at once), then 1.5 s of one at a time, every 5 ms: how many pool threads are alive after
+    the bursts and after the calls one at a time. Results are checked."""
+    W, me = ctx.world, ctx.rank
+    xs = [torch.empty(1024) for _ in range(8)]
+
+    def check(what, i, x):
+        check_equal(what, x, torch.full((1024,), float(sum(r + i for r in range(W)))))
+
+    for _ in range(200):
+        for i, x in enumerate(xs):
+            x.fill_(float(me + i))
+        futs = [dist.all_reduce(x, async_op=True).get_future() for x in xs]
+        for i, f in enumerate(futs):
+            f.wait()
+            check(f"all_reduce #{i} of a burst", i, xs[i])
+    after_bursts = _pool_threads()
+    end = time.monotonic() + 1.5
+    while True:
+        stop = torch.tensor([float(time.monotonic() >= end)])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX, async_op=True).get_future().wait()
+        if stop.item() > 0:
+            break
+        xs[0].fill_(float(me))
+        dist.all_reduce(xs[0], async_op=True).get_future().wait()
+        check("all_reduce one at a time", 0, xs[0])
+        time.sleep(0.005)
+    return {"after bursts": after_bursts, "after one at a time": _pool_threads()}
+
+
+@pytest.mark.ucx_semantics  # commux's threads
+@worlds(2)
+def test_pool_threads_beyond_what_the_work_needs_retire(ranks, ws):
+    """The pool handed work to any idle thread (a condition variable's notify_one), and started
+    another thread whenever the notified ones had not run yet: the bursts left 5-22 threads per
+    rank, which then took turns at the single calls, so none stayed idle the 500 ms that retires
+    a thread, and all 5-22 were still alive at the end. It now hands work to the thread that went
+    idle last: 5-6 after the bursts, 2 at the end."""
+    for r in ranks.run(_pool_after_a_burst, timeout=90):
+        assert r["after one at a time"] <= 3, r
+
+
 def _blocked_cpu(ctx):
     """An async all_reduce that waits 1.5 s for a late rank, waited for at once (a waiter resumes
     the schedule) and polled with is_completed() (the pool thread resumes it): rank 0's process

@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <thread>
 
 namespace commux::c10d_detail {
@@ -15,19 +16,20 @@ CollectivePool& CollectivePool::instance() {
 }
 
 void CollectivePool::submit(Client* client) {
-  std::unique_lock<std::mutex> lk(mu_);
-  ready_.push_back(client);
-  // Every ready client needs a thread of its own: wake a waiting one if there are enough of them
-  // for all ready clients (a notified thread still counts as waiting until it runs), else start
-  // one more.
-  if (static_cast<std::size_t>(waiting_) >= ready_.size()) {
-    lk.unlock();
-    cv_.notify_one();
-    return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!idle_.empty()) {
+      // The thread that went idle last: the likeliest to be still awake or cache-warm, and the
+      // ones below it keep idling until they retire.
+      Idle* t = idle_.back();
+      idle_.pop_back();
+      t->client = client;
+      t->cv.notify_one();  // under mu_: the thread may retire (and its Idle go) once it is free
+      return;
+    }
+    ++threads_;
   }
-  ++threads_;
-  lk.unlock();
-  std::thread([this] { loop(); }).detach();
+  std::thread([this, client] { loop(client); }).detach();
 }
 
 int CollectivePool::threads() {
@@ -35,26 +37,24 @@ int CollectivePool::threads() {
   return threads_;
 }
 
-void CollectivePool::loop() {
+void CollectivePool::loop(Client* client) {
   // Named for top -H, perf and the tests; a thread takes the name of the one that starts it, so
   // one started from the core's progress thread (a future handed on from there) would otherwise
   // be shown as that thread.
   ::pthread_setname_np(::pthread_self(), "commux-pool");
   CallbackScope::on_commux_thread();  // the futures it completes: see work.hpp
-  std::unique_lock<std::mutex> lk(mu_);
+  Idle self;
   for (;;) {
-    ++waiting_;
-    const bool got = cv_.wait_for(lk, kRetireAfter, [&] { return !ready_.empty(); });
-    --waiting_;
-    if (!got) {
+    client->serve();  // the client may be gone once this returns
+    std::unique_lock<std::mutex> lk(mu_);
+    self.client = nullptr;
+    idle_.push_back(&self);
+    if (!self.cv.wait_for(lk, kRetireAfter, [&] { return self.client != nullptr; })) {
+      idle_.erase(std::find(idle_.begin(), idle_.end(), &self));
       --threads_;
       return;
     }
-    Client* c = ready_.front();
-    ready_.pop_front();
-    lk.unlock();
-    c->serve();  // the client may be gone once this returns
-    lk.lock();
+    client = self.client;
   }
 }
 
