@@ -126,8 +126,10 @@ def main():
         variants = []
         for v in a.variant:
             label, _, spec = v.partition(":")
-            env = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
-            variants.append((label, env))
+            pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
+            if not label or any(len(kv) != 2 for kv in pairs):
+                p.error(f"--variant {v!r}: expected LABEL:NAME=VALUE,... (LABEL: for the defaults)")
+            variants.append((label, dict(pairs)))
         variants = tuple(variants)
     figures = {label: [] for label, _ in variants}  # per launch: mode -> µs
     wrong, params = 0, None
