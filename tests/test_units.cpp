@@ -605,8 +605,8 @@ TEST(PollBackoff, ALongWaitSettlesAtTheLongCap) {
             microseconds(500));
 }
 
-// A yield that comes back slowly (a foreign task ran a whole slice on this CPU) shuts the gate for
-// kOffFor, so waiters stop handing out slices; quick ones leave it open, and it reopens after.
+// A yield that comes back slowly (a foreign task ran a whole slice on this CPU) shuts the gate, so
+// waiters stop handing out slices; quick ones leave it open, and it reopens after.
 // Without it, an 8 B allreduce between 2 ranks beside 2 busy loops took 2 ms a call.
 TEST(YieldGate, ASlowYieldStopsYieldingForAWhile) {
   using commux::detail::YieldGate;
@@ -620,10 +620,56 @@ TEST(YieldGate, ASlowYieldStopsYieldingForAWhile) {
   const auto back = t + microseconds(1500);
   EXPECT_FALSE(g.record(t, back));  // 1.5 ms: a slice went to someone else
   EXPECT_FALSE(g.open(back));
-  EXPECT_FALSE(g.open(back + YieldGate::kOffFor - microseconds(1)));
-  EXPECT_TRUE(g.open(back + YieldGate::kOffFor));  // probes again
-  EXPECT_TRUE(g.record(back + YieldGate::kOffFor, back + YieldGate::kOffFor + microseconds(2)));
-  EXPECT_TRUE(g.open(back + YieldGate::kOffFor + microseconds(2)));
+  EXPECT_FALSE(g.open(back + YieldGate::kFirstOff - microseconds(1)));
+  EXPECT_TRUE(g.open(back + YieldGate::kFirstOff));  // probes again
+  const auto probe = back + YieldGate::kFirstOff;
+  EXPECT_TRUE(g.record(probe, probe + microseconds(2)));
+  EXPECT_TRUE(g.open(probe + microseconds(2)));
+}
+
+// One slow yield shuts the gate briefly: right after init some start-up thread often runs a
+// slice, and a 100 ms period then cost every 8 B exchange of those 100 ms a 250 us spin (the
+// ranks' main threads, queued on one CPU, could not hand it to each other). Slow probes that keep
+// coming (a hog that stays) double the period up to kMaxOff; after kForget without one it starts
+// over. A slow yield that began while the gate was open but returns after another thread shut it
+// does not extend that thread's period.
+TEST(YieldGate, TheGateStaysShutLongerOnlyWhileSlowYieldsKeepComing) {
+  using commux::detail::YieldGate;
+  using Clock = YieldGate::Clock;
+  using std::chrono::microseconds;
+  using std::chrono::milliseconds;
+  YieldGate g;
+  Clock::time_point now = Clock::now();
+  const auto slice = microseconds(1500);
+  // A hog: every probe, as soon as the gate reopens, hands it a slice.
+  std::vector<Clock::duration> periods;
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_FALSE(g.record(now, now + slice));
+    now += slice;
+    Clock::time_point reopen = now;
+    while (!g.open(reopen)) reopen += microseconds(100);
+    periods.push_back(reopen - now);
+    now = reopen;
+  }
+  EXPECT_LT(periods[0], YieldGate::kFirstOff + microseconds(100));
+  for (std::size_t i = 1; i < periods.size(); ++i) {
+    EXPECT_GE(periods[i], periods[i - 1]) << i;
+    EXPECT_LE(periods[i], YieldGate::kMaxOff + microseconds(100)) << i;
+  }
+  EXPECT_GE(periods.back(), YieldGate::kMaxOff) << "a hog that stays is probed once per kMaxOff";
+  // Quiet for kForget: the next slow yield shuts the gate for kFirstOff again.
+  now += YieldGate::kForget;
+  EXPECT_TRUE(g.open(now));
+  EXPECT_FALSE(g.record(now, now + slice));
+  now += slice;
+  EXPECT_FALSE(g.open(now + YieldGate::kFirstOff - microseconds(1)));
+  EXPECT_TRUE(g.open(now + YieldGate::kFirstOff));
+  // Two threads' yields of one slice: the second to return leaves the first's period as it is.
+  now += milliseconds(1);  // reopened, and a slow probe comes at once: 2 * kFirstOff
+  const auto t0 = now;
+  EXPECT_FALSE(g.record(t0, t0 + slice));
+  EXPECT_FALSE(g.record(t0, t0 + slice + microseconds(50)));
+  EXPECT_TRUE(g.open(t0 + slice + 2 * YieldGate::kFirstOff));
 }
 
 // A large post that lands between the progress thread's look at what is in flight and its

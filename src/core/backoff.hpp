@@ -81,28 +81,48 @@ class PollBackoff {
 // pushes the yielder's deadline a whole slice back, so every yield hands the hog a slice of
 // about 1.5 ms, and an 8 B allreduce between two ranks beside two busy loops took 1.7 ms (10 us
 // with this gate; bench/experiments/busy_neighbour.py). So a yield that took longer than kSlow
-// closes the gate for kOffFor; meanwhile waiters spin without yielding (then sleep as always),
-// and the first yield after it probes again. Shared by the threads of a process (relaxed
-// atomics: a late view costs one yield).
+// shuts the gate; meanwhile waiters spin without yielding (then sleep as always), and the first
+// yield after it probes again.
+// How long it stays shut grows with the evidence: kFirstOff after a first slow yield, twice the
+// last period after one that came within kForget of the gate's last reopening (the hog is still
+// there), up to kMaxOff. A single slow yield is common where no hog is: right after
+// init_process_group some start-up thread of the process ran a slice, and a fixed 100 ms period
+// then left the two ranks' main threads, queued on one CPU meanwhile, unable to hand it to each
+// other: 8 B exchanges took 250 us instead of 13 for those 100 ms, in a fifth of the launches
+// (bench/experiments/first_calls.py). Beside a hog, the probes at 1, 3, 7, ... ms cost seven
+// slices in the first 130 ms, then one per kMaxOff as before.
+// Shared by the threads of a process (relaxed atomics: a late view costs one yield).
 class YieldGate {
  public:
   using Clock = std::chrono::steady_clock;
   static constexpr std::chrono::microseconds kSlow{200};
-  static constexpr std::chrono::milliseconds kOffFor{100};
+  static constexpr std::chrono::milliseconds kFirstOff{1};
+  static constexpr std::chrono::milliseconds kMaxOff{100};
+  static constexpr std::chrono::milliseconds kForget{400};
 
   bool open(Clock::time_point now) const noexcept {
     return now.time_since_epoch().count() >= shut_until_.load(std::memory_order_relaxed);
   }
   // A yield that began at `t0` returned at `t1`: whether yielding still pays (false: it was slow,
-  // and the gate is shut until t1 + kOffFor).
+  // and the gate is shut from t1 for the period above).
   bool record(Clock::time_point t0, Clock::time_point t1) noexcept {
     if (t1 - t0 < kSlow) return true;
-    shut_until_.store((t1 + kOffFor).time_since_epoch().count(), std::memory_order_relaxed);
+    const Clock::rep reopened = shut_until_.load(std::memory_order_relaxed);
+    // Shut by another thread while this one yielded: that thread's period stands (two slow yields
+    // of one slice do not double it).
+    if (reopened > t0.time_since_epoch().count()) return false;
+    const Clock::duration last{off_for_.load(std::memory_order_relaxed)};
+    const bool again = reopened != 0 && t1.time_since_epoch() - Clock::duration(reopened) < kForget;
+    const Clock::duration off =
+        again ? std::min<Clock::duration>(2 * last, kMaxOff) : Clock::duration(kFirstOff);
+    off_for_.store(off.count(), std::memory_order_relaxed);
+    shut_until_.store((t1 + off).time_since_epoch().count(), std::memory_order_relaxed);
     return false;
   }
 
  private:
-  std::atomic<Clock::rep> shut_until_{0};
+  std::atomic<Clock::rep> shut_until_{0};  // steady_clock ticks; 0: never shut
+  std::atomic<Clock::rep> off_for_{0};     // the last period, in ticks
 };
 
 // Whether a post above Worker::kBackgroundBytes must cut the progress thread's long sleep short
