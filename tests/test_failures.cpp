@@ -187,6 +187,37 @@ TEST(Failures, DeadPeerFailsPendingOps) {
       o);
 }
 
+// An any-source receive in parts whose first part matched a message already there when it was
+// posted knows its sender from then on, and fails when that sender dies, as a receive from that
+// peer does. (UCX completes such a part inside the post, through the callback, and returns the
+// request it has already released; that pointer was kept as the part's "request in UCX", so the
+// op still looked unmatched to the dead-peer check and waited out its whole timeout instead.)
+TEST(Failures, AnySourceReceiveInPartsFailsWhenTheSenderOfItsFirstPartDies) {
+  RunOptions o;
+  o.expect_killed = {1};
+  run_ranks(
+      2,
+      [](Communicator& c) {
+        if (c.rank() == 1) {
+          std::vector<unsigned char> first(64, 7);
+          c.send({buf(first)}, 0, 5);  // one buffer: the receive's second part never comes
+          handshake(c);
+          ::raise(SIGKILL);
+        }
+        handshake(c);  // rank 1's message is there: the first part matches at the post
+        std::vector<unsigned char> a(64), b(64);
+        Request r = c.irecv({buf(a), buf(b)}, kAnySource, 5);
+        const auto t0 = Clock::now();
+        const std::string msg =
+            expect_error(Errc::kPeerFailed, [&] { r.wait(std::chrono::seconds(15)); });
+        const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+        std::fprintf(stderr, "[rank 0] failed after %.2f s: %s\n", secs, msg.c_str());
+        CX_CHECK_HAS(msg, "peer 1");
+        CX_CHECK(a[0] == 7 && a[63] == 7);  // the first part did arrive
+      },
+      o);
+}
+
 // A receive held behind a gate (detail::Channel::post_after) from a peer that has died is not
 // failed while held: the peer's last message may be waiting in UCX, and the receive gets it once
 // its gate opens. Posted after that with nothing left to match, it fails as any receive does.

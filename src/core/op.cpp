@@ -266,6 +266,11 @@ void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
     prm.memory_type = to_ucs(mem);
   }
   const bool continuation = index > 0;
+  // UCX may complete the part inside the call, through the callback (a receive that matches a
+  // message already there: UCP_OP_ATTR_FLAG_NO_IMM_CMPL), and still return the request, which the
+  // callback has released by then. The callbacks clear `posting`: the returned request is kept as
+  // the part's request in UCX only if it is still set after the call.
+  part.posting = true;
   ucs_status_ptr_t r;
   if (op.kind == Op::Kind::kSend) {
     prm.cb.send = &Engine::send_cb;
@@ -291,12 +296,14 @@ void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
     const RecvMatch m = recv_match(sender, options_.group, op.tag_kind, continuation, op.tag);
     r = ucp_tag_recv_nbx(worker_.handle(), buf, cnt, m.tag.bits, m.mask.bits, &prm);
   }
+  const bool completed_in_call = !part.posting;
+  part.posting = false;
   if (UCS_PTR_IS_ERR(r)) {
     const bool filled = op.kind == Op::Kind::kRecv && part.info.length != kNoInfo;
     part_done_locked(op, part.index, UCS_PTR_STATUS(r), filled ? &part.info : nullptr);
   } else if (r == nullptr) {
     part_done_locked(op, part.index, UCS_OK, op.kind == Op::Kind::kRecv ? &part.info : nullptr);
-  } else {
+  } else if (!completed_in_call) {
     part.ucx_req = r;
   }
 }
@@ -308,6 +315,7 @@ void Engine::send_cb(void* request, ucs_status_t status, void* user_data) {
   auto* part = static_cast<Part*>(user_data);
   Op* op = part->op;
   part->ucx_req = nullptr;
+  part->posting = false;
   ucp_request_free(request);
   op->engine->part_done_locked(*op, part->index, status, nullptr);
 }
@@ -317,6 +325,7 @@ void Engine::recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info
   auto* part = static_cast<Part*>(user_data);
   Op* op = part->op;
   part->ucx_req = nullptr;
+  part->posting = false;
   const ucp_tag_recv_info_t copy = info != nullptr ? *info : ucp_tag_recv_info_t{};
   ucp_request_free(request);
   op->engine->part_done_locked(*op, part->index, status, info != nullptr ? &copy : nullptr);

@@ -57,6 +57,7 @@ struct Part {
   struct Op* op = nullptr;
   std::uint32_t index = 0;
   void* ucx_req = nullptr;     // [mu] in-flight UCX request, or nullptr
+  bool posting = false;        // [mu] inside its ucp_*_nbx call; the callback clears it
   ucp_tag_recv_info_t info{};  // receive info of an immediately completed receive
 };
 
