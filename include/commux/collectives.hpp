@@ -103,6 +103,8 @@ class DeviceOps {
 struct Context {
   Communicator* comm = nullptr;
   std::uint32_t tag = 0;  // identifies this collective instance; equal on every rank
+  // When the call's waits give up (Errc::kTimeout). max(): the communicator's Options::timeout,
+  // counted from the call's first wait that has to wait.
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   MemoryType mem = MemoryType::kHost;
   const char* op_name = "collective";  // used in error messages: "commux allreduce: ..."

@@ -165,11 +165,9 @@ Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
   chan_ = &::commux::detail::channel(*ctx.comm);
   rank_ = chan_->rank();
   size_ = chan_->size();
-  if (ctx.deadline == Clock::time_point::max()) {
-    deadline_ = Clock::now() + chan_->options().timeout;
-  } else {
-    deadline_ = ctx.deadline;
-  }
+  // Without a deadline of the caller's, the communicator's timeout counts from the first wait that
+  // has to wait (deadline()): a call whose messages all complete at their posts reads no clock.
+  if (ctx.deadline != Clock::time_point::max()) deadline_ = ctx.deadline;
   wire_ = call_wire_tag(ctx_.tag, 0);  // until identify()
   reqs_.reserve(kInlineRequests);      // in room_
   reap_parked();
@@ -196,8 +194,13 @@ void Exchange::invalid(const Context& ctx, const std::string& what) {
   throw Error(Errc::kInvalidArgument, ErrorSite{op_or_default(ctx.op_name), {}, {}, {}, {}}, what);
 }
 
-std::chrono::milliseconds Exchange::remaining(Clock::time_point now) const {
-  const auto left = deadline_ - now;
+Clock::time_point Exchange::deadline(Clock::time_point now) {
+  if (deadline_ == Clock::time_point::max()) deadline_ = now + chan_->options().timeout;
+  return deadline_;
+}
+
+std::chrono::milliseconds Exchange::remaining(Clock::time_point now) {
+  const auto left = deadline(now) - now;
   if (left <= Clock::duration::zero()) return std::chrono::milliseconds(0);
   return std::chrono::ceil<std::chrono::milliseconds>(left);
 }
@@ -275,13 +278,13 @@ void Exchange::suspend_for(Schedule::Impl* s, std::size_t id) {
   while (!st->test()) {       // one progress call: a small message may complete here
     if (blocking(s)) return;  // run_to_end(): the blocking wait below does the rest
     const auto now = Clock::now();
-    if (now >= deadline_) return;
+    if (now >= deadline(now)) return;
     if (now >= next) {
       check_calls(id);
       if (ctx_.poll != nullptr) poll_caller();
       next = now + kCheckEvery;
     }
-    suspend(s, reqs_[id].req, std::min(next, deadline_), since);
+    suspend(s, reqs_[id].req, std::min(next, deadline(now)), since);
   }
 }
 

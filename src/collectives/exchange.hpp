@@ -134,7 +134,10 @@ class Exchange {
   [[noreturn]] void noticed(int peer, const std::string& notice);
   // Sends this rank's notice about the call (once) to every other rank.
   void notify(char kind, const std::string& reason);
-  std::chrono::milliseconds remaining(Clock::time_point now = Clock::now()) const;
+  std::chrono::milliseconds remaining(Clock::time_point now = Clock::now());
+  // The call's deadline: Context::deadline, or the communicator's timeout from the first call
+  // of this with a `now` (the first wait that has to wait, or a check before it).
+  Clock::time_point deadline(Clock::time_point now);
   // The first time a wait had to wait (the clock is read then anyway): "Timed out after N ms"
   // counts from there, where the core's wait would name only the length of its last slice.
   void began_waiting(Clock::time_point now) noexcept {
@@ -153,8 +156,8 @@ class Exchange {
   bool notified_ = false;
   int rank_;
   int size_;
-  Clock::time_point deadline_;
-  Clock::time_point waiting_since_{};  // began_waiting()
+  Clock::time_point deadline_ = Clock::time_point::max();  // max: not yet set (deadline())
+  Clock::time_point waiting_since_{};                      // began_waiting()
   const char* phase_ = nullptr;
   // Every request posted, and whether it was waited for successfully (its outcome has been seen).
   struct Posted {

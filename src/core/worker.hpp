@@ -85,7 +85,9 @@ class Worker {
     op->next = inflight_;
     if (inflight_ != nullptr) inflight_->prev = op.get();
     inflight_ = op.get();
-    inflight_count_.fetch_add(1);
+    // (Written only under mu_: a plain store, no locked read-modify-write on every post.)
+    inflight_count_.store(inflight_count_.load(std::memory_order_relaxed) + 1,
+                          std::memory_order_relaxed);
     if (op->capacity > kBackgroundBytes) {
       inflight_large_.fetch_add(1);
       // Nobody spins: the caller may compute before it waits (an exchange posted, then computed
@@ -100,13 +102,13 @@ class Worker {
     if (op.next != nullptr) op.next->prev = op.prev;
     if (inflight_ == &op) inflight_ = op.next;
     op.prev = op.next = nullptr;
-    inflight_count_.fetch_sub(1);
+    inflight_count_.store(inflight_count_.load(std::memory_order_relaxed) - 1,
+                          std::memory_order_relaxed);
     if (op.capacity > kBackgroundBytes) inflight_large_.fetch_sub(1);
     return std::move(op.self);
   }
   Op* inflight_locked() const noexcept { return inflight_; }  // the first; follow Op::next
   std::vector<std::shared_ptr<Op>> inflight_snapshot_locked() const;
-  bool any_inflight() const noexcept { return inflight_count_.load() > 0; }  // no lock needed
   // How many times the progress thread has taken the worker to progress it (no lock needed).
   std::uint64_t progress_thread_passes() const noexcept {
     return thread_passes_.load(std::memory_order_relaxed);
@@ -186,6 +188,7 @@ class Worker {
   // closed. Closing it in shutdown() instead would race with those kicks.
   int wake_fd_ = -1;
   Op* inflight_ = nullptr;  // [mu] intrusive list of in-flight ops
+  // [mu] written, read without it by the progress thread (how long it may sleep: a hint).
   std::atomic<int> inflight_count_{0};
   // Operations above kBackgroundBytes: a transfer in several fragments or a rendezvous, which
   // moves only while someone progresses. A waiter that stops spinning hands progress back to the
