@@ -113,8 +113,11 @@ class YieldGate {
     if (reopened > t0.time_since_epoch().count()) return false;
     const Clock::duration last{off_for_.load(std::memory_order_relaxed)};
     const bool again = reopened != 0 && t1.time_since_epoch() - Clock::duration(reopened) < kForget;
-    const Clock::duration off =
-        again ? std::min<Clock::duration>(2 * last, kMaxOff) : Clock::duration(kFirstOff);
+    // (At least kFirstOff: a thread that sees another's shut_until_ before its off_for_, where
+    // relaxed stores may be seen out of order, must not double a zero into a gate that never
+    // shuts.)
+    const Clock::duration off = again ? std::clamp<Clock::duration>(2 * last, kFirstOff, kMaxOff)
+                                      : Clock::duration(kFirstOff);
     off_for_.store(off.count(), std::memory_order_relaxed);
     shut_until_.store((t1 + off).time_since_epoch().count(), std::memory_order_relaxed);
     return false;
