@@ -647,7 +647,10 @@ TEST(YieldGate, TheGateStaysShutLongerOnlyWhileSlowYieldsKeepComing) {
     ASSERT_FALSE(g.record(now, now + slice));
     now += slice;
     Clock::time_point reopen = now;
-    while (!g.open(reopen)) reopen += microseconds(100);
+    // (Bounded: a gate that never reopened would otherwise spin this loop for good.)
+    for (int step = 0; step < 10000 && !g.open(reopen); ++step) reopen += microseconds(100);
+    ASSERT_TRUE(g.open(reopen)) << "still shut " << (reopen - now).count() << " ticks after probe "
+                                << i;
     periods.push_back(reopen - now);
     now = reopen;
   }
