@@ -137,8 +137,14 @@ def test_every_rank_dumps_its_record(hang_run):
         want = [("allreduce", "completed")] + ([] if r == 2 else [("allreduce", "timed_out")])
         if states != want:
             problems.append(f"rank {r}: entries {states}, want {want}")
-        elif not all(e["issued_us"] > 0 and e["finished_us"] >= e["issued_us"] for e in entries):
-            problems.append(f"rank {r}: times {entries}")
+        # Wall-clock microseconds, in order, and near the time the dump was written (the entries
+        # are read from the steady clock and shifted to the wall clock).
+        elif not all(
+            0 < e["issued_us"] <= e["started_us"] <= e["finished_us"] <= d["written_us"]
+            and d["written_us"] - e["issued_us"] < 600_000_000
+            for e in entries
+        ):
+            problems.append(f"rank {r}: times {entries}, written at {d['written_us']}")
     assert not problems, "\n".join(problems)
     assert dumps[2]["reason"].startswith("asked by a rank"), dumps[2]["reason"]
     r0 = outs[0].value

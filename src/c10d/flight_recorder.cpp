@@ -219,7 +219,13 @@ std::string what_it_last_did(const Answer& a) {
 
 FlightRecorder::FlightRecorder(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                                std::string group)
-    : store_(std::move(store)), rank_(rank), size_(size), group_(std::move(group)) {
+    : store_(std::move(store)),
+      rank_(rank),
+      size_(size),
+      group_(std::move(group)),
+      wall_offset_us_(now_us() - std::chrono::duration_cast<std::chrono::microseconds>(
+                                     std::chrono::steady_clock::now().time_since_epoch())
+                                     .count()) {
   {
     std::lock_guard<std::mutex> lk(registry_mu());
     registry().push_back(this);
@@ -269,10 +275,17 @@ FlightRecorder::~FlightRecorder() {
   }
 }
 
-void FlightRecorder::issued(std::uint64_t seq, const char* op, std::size_t bytes, int root) {
-  const std::int64_t t = now_us();
+std::int64_t FlightRecorder::wall_us(std::chrono::steady_clock::time_point t) const {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count() +
+         wall_offset_us_;
+}
+
+void FlightRecorder::issued(std::uint64_t seq, const char* op, std::size_t bytes, int root,
+                            std::chrono::steady_clock::time_point at, bool running) {
+  const std::int64_t t = wall_us(at);
   std::lock_guard<std::mutex> lk(mu_);
-  ring_[count_ % kCapacity] = Entry{seq, op, bytes, State::kIssued, t, 0, 0, root};
+  ring_[count_ % kCapacity] = Entry{
+      seq, op, bytes, running ? State::kRunning : State::kIssued, t, running ? t : 0, 0, root};
   ++count_;
 }
 
@@ -286,7 +299,7 @@ FlightRecorder::Entry* FlightRecorder::find_locked(std::uint64_t seq) {
 }
 
 void FlightRecorder::started(std::uint64_t seq) {
-  const std::int64_t t = now_us();
+  const std::int64_t t = now_wall_us();
   std::lock_guard<std::mutex> lk(mu_);
   if (Entry* e = find_locked(seq)) {
     e->state = State::kRunning;
@@ -295,7 +308,7 @@ void FlightRecorder::started(std::uint64_t seq) {
 }
 
 std::exception_ptr FlightRecorder::finished(std::uint64_t seq, std::exception_ptr error) {
-  const std::int64_t t = now_us();
+  const std::int64_t t = now_wall_us();
   bool timed_out = false;
   if (error) {
     try {

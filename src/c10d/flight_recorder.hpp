@@ -3,7 +3,7 @@
 //
 // Each process group keeps a ring of its kCapacity most recent collectives (sequence number = the
 // call's first internal tag, op, bytes, state, wall-clock times of issue, start and finish). It
-// costs the hot path one uncontended mutex and a few stores per call: nothing goes to the store
+// costs the hot path two uncontended locks, one clock read and a few stores per call: nothing goes to the store
 // while calls succeed.
 //
 // When a collective times out, its rank asks the others, through the group's store, what they last
@@ -61,7 +61,12 @@ class FlightRecorder {
   // `root`: of a rooted collective (broadcast, reduce, gather, scatter); -1 for the others. The
   // hang report compares the waiting ranks' bytes and roots: a call whose ranks disagree on them
   // waits for ever where every rank only receives (each reduce to a root of its own, say).
-  void issued(std::uint64_t seq, const char* op, std::size_t bytes, int root = -1);
+  // `at`: when it was issued (the caller's clock read, which also set its deadline). `running`:
+  // it starts on the issuing thread at once (a blocking call the caller runs, or a schedule whose
+  // first step the caller posts), so it is recorded as running from `at`, and started() is not
+  // called for it: one clock read and one lock per call fewer on the hot path.
+  void issued(std::uint64_t seq, const char* op, std::size_t bytes, int root,
+              std::chrono::steady_clock::time_point at, bool running);
   void started(std::uint64_t seq);
   std::exception_ptr finished(std::uint64_t seq, std::exception_ptr error);
   // The answering thread's check for a question (see above); never throws.
@@ -79,7 +84,10 @@ class FlightRecorder {
     const char* op = "";
     std::uint64_t bytes = 0;
     State state = State::kIssued;
-    std::int64_t issued_us = 0;  // wall clock (microseconds since the epoch); 0: not yet
+    // Wall clock (microseconds since the epoch); 0: not yet. Read from the steady clock and
+    // shifted by the wall clock's offset at the group's creation, so one clock read serves the
+    // call's deadline and its record, and a step of the wall clock later does not reorder them.
+    std::int64_t issued_us = 0;
     std::int64_t started_us = 0;
     std::int64_t finished_us = 0;
     int root = -1;
@@ -87,6 +95,8 @@ class FlightRecorder {
 
  private:
   Entry* find_locked(std::uint64_t seq);
+  std::int64_t wall_us(std::chrono::steady_clock::time_point t) const;
+  std::int64_t now_wall_us() const { return wall_us(std::chrono::steady_clock::now()); }
   std::string answer_locked(std::int64_t gen) const;
   void answer(std::int64_t gen);
   std::string report(std::uint64_t seq, const char* op);
@@ -96,6 +106,7 @@ class FlightRecorder {
   int rank_;
   int size_;
   std::string group_;
+  std::int64_t wall_offset_us_;  // wall clock minus steady clock at construction, in microseconds
   mutable std::mutex mu_;
   std::array<Entry, kCapacity> ring_{};    // [mu_] entry n at n % kCapacity
   std::uint64_t count_ = 0;                // [mu_] entries ever recorded

@@ -559,7 +559,7 @@ bool ProcessGroupUCX::Impl::drive() noexcept {
 
 std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
   std::exception_ptr err;
-  recorder_->started(t.tag);
+  if (!t.started_at_issue) recorder_->started(t.tag);
   try {
     if (any_dead_.load(std::memory_order_acquire)) drain_dead(t.tag);
     if (any_root_calls_.load(std::memory_order_acquire)) check_root_calls(t.tag, t.op_name);
@@ -767,7 +767,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
   t->op_name = op_name;
   t->type = type;
   const auto limit = effective(op_timeout);
-  t->deadline = Clock::now() + limit;
+  const auto issued_at = Clock::now();  // also the flight recorder's time of issue
+  t->deadline = issued_at + limit;
   t->keep_alive = std::move(keep_alive);
   t->outputs = std::move(outputs);
   t->body = std::move(body);
@@ -816,7 +817,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     t->tag = next_tag_;
     t->ntags = ntags;
     next_tag_ += ntags;
-    recorder_->issued(t->tag, op_name, bytes, root);
     ++collectives_issued_;
     t->spin = small ? spin_ : std::chrono::microseconds(0);
     if (caller_runs_) t->gate = gate_;
@@ -831,6 +831,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     const bool now = queue_.size() == 1 && can_start_locked(*t);
     here = now && !async_op && caller_runs_ && t->device.is_cpu();
     sched = now && async_op && t->schedulable;
+    t->started_at_issue = here || sched;
+    recorder_->issued(t->tag, op_name, bytes, root, issued_at, t->started_at_issue);
     if (here || sched) {
       take_front_locked();
       ++waiters_in_;  // enter()

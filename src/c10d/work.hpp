@@ -144,6 +144,9 @@ struct Task {
   // taken it from the group's queue to run it (guarded by the group's lock).
   std::shared_ptr<RunnerGate> gate;
   bool taken = false;
+  // Run or started on the issuing thread within its issue (the flight recorder marked it running
+  // then, so execute() does not again).
+  bool started_at_issue = false;
   // What decides whether it may run beside the group's other running collectives
   // (COMMUX_INFLIGHT): the byte ranges [first, second) of its tensors, and whether it must run
   // alone (a barrier, a device or sparse collective, one without tensors).
