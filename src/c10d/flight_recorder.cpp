@@ -284,8 +284,8 @@ void FlightRecorder::issued(std::uint64_t seq, const char* op, std::size_t bytes
                             std::chrono::steady_clock::time_point at, bool running) {
   const std::int64_t t = wall_us(at);
   std::lock_guard<std::mutex> lk(mu_);
-  ring_[count_ % kCapacity] = Entry{
-      seq, op, bytes, running ? State::kRunning : State::kIssued, t, running ? t : 0, 0, root};
+  const State state = running ? State::kRunning : State::kIssued;
+  ring_[count_ % kCapacity] = Entry{seq, op, bytes, state, t, running ? t : 0, 0, root};
   ++count_;
 }
 
