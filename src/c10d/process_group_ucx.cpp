@@ -410,7 +410,8 @@ void ProcessGroupUCX::Impl::start_schedule(const std::shared_ptr<Task>& t) {
       std::lock_guard<std::mutex> lk(mu_);
       ran_locked(*t);
     }
-    t->finish(std::current_exception());
+    // (Its flight-recorder entry says so too, rather than "running" or "issued" for good.)
+    t->finish(recorder_->finished(t->tag, std::current_exception()));
     return;
   }
   const bool done = sched->done();
