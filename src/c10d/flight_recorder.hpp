@@ -3,8 +3,8 @@
 //
 // Each process group keeps a ring of its kCapacity most recent collectives (sequence number = the
 // call's first internal tag, op, bytes, state, wall-clock times of issue, start and finish). It
-// costs the hot path two uncontended locks, one clock read and a few stores per call: nothing goes to the store
-// while calls succeed.
+// costs the hot path two uncontended locks, one clock read and a few stores per call: nothing goes
+// to the store while calls succeed.
 //
 // When a collective times out, its rank asks the others, through the group's store, what they last
 // issued and completed, and appends the answer to the error:
