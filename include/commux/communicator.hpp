@@ -60,10 +60,11 @@ struct Options {
   // coalescing window (startCoalescing .. endCoalescing) and posts them together at its end,
   // receives first. Wire-compatible with a peer that does not defer. (Unused by the core itself.)
   bool defer_in_window = false;
-  // Waiting on the worker's event fd needs UCX's wakeup feature, which UCX grants only by dropping
-  // every transport without wakeup events -- shared memory among them. kAuto uses it only when the
-  // user's UCX_TLS allows no shared-memory transport (e.g. UCX_TLS=tcp); otherwise the progress
-  // thread polls with an exponential backoff (5 us .. 1 ms while work is in flight).
+  // kOn: the progress thread sleeps on the worker's event fd (UCX's wakeup feature; shared memory
+  // stays) instead of polling with an exponential backoff (5 us .. 2 ms while work is in flight).
+  // It measured faster only for small messages to callers that sleep at once (spin 0), and up to
+  // 2x slower at 1-8 MiB where ranks outnumber CPUs (docs/progress.md). kAuto uses it only when
+  // the user's UCX_TLS allows no shared-memory transport (e.g. UCX_TLS=tcp).
   enum class Wakeup : std::uint8_t { kAuto, kOn, kOff };
   Wakeup wakeup = Wakeup::kAuto;
   // When the machine runs more threads than it has CPUs, a spinning waiter takes the CPU from the

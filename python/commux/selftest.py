@@ -368,11 +368,6 @@ def _why_tcp(info: dict) -> list[str]:
         elif not [t for t in names if t in SHARED_MEMORY_TLS + ("sm", "shm", "all")]:
             why.append(f"UCX_TLS={tls} is an allow list without a shared-memory transport (add sm, "
                        "or unset UCX_TLS and let UCX choose)")
-    from commux import _C
-
-    if _C.settings()["COMMUX_WAKEUP"]["text"].lower() in ("on", "1"):
-        why.append("COMMUX_WAKEUP=on makes UCX drop every transport without wakeup events, shared "
-                   "memory among them (use auto or off)")
     if not have & set(SHARED_MEMORY_TLS):
         why.append(f"this UCX offers no shared-memory transport (it has {', '.join(sorted(have))})")
     try:

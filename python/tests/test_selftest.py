@@ -74,8 +74,16 @@ def test_a_clean_run_passes_and_its_ranks_log_info_and_trace(tmp_path):
         subprocess.run(["rm", "-rf", logdir], check=False)
 
 
+def test_the_event_fd_mode_keeps_shared_memory_between_local_ranks():
+    # UCX's wakeup feature (COMMUX_WAKEUP=on) keeps its shared-memory transports: their FIFOs
+    # signal an armed receiver. (The self-test used to blame it for TCP between local ranks.)
+    r = selftest("--nprocs", "2", COMMUX_WAKEUP="on")
+    assert r.returncode == 0, _out(r)
+    assert re.search(r"rank 0 <-> rank 1: shared memory \(\S+/", r.stdout), _out(r)
+
+
 def test_a_setting_that_breaks_a_collective_fails_and_tcp_between_local_ranks_is_explained():
-    r = selftest("--nprocs", "2", COMMUX_ALGO_ALLREDUCE="nope", UCX_TLS="tcp")
+    r = selftest("--nprocs", "2", COMMUX_ALGO_ALLREDUCE="nope", UCX_TLS="tcp", COMMUX_WAKEUP="on")
     assert r.returncode == 1, _out(r)
     out = r.stdout
     assert re.search(r"^  FAIL  all_reduce SUM\n\s+rank 0: .*unknown allreduce algorithm 'nope'", out, re.M), \
@@ -84,6 +92,7 @@ def test_a_setting_that_breaks_a_collective_fails_and_tcp_between_local_ranks_is
     assert "rank 0 <-> rank 1: TCP (tcp/" in out, _out(r)
     assert "without shared memory" in out and "UCX_TLS=tcp is an allow list without a shared-memory " \
         "transport" in out, _out(r)
+    assert "COMMUX_WAKEUP" not in out, _out(r)  # not a reason: shared memory stays with it
     # The ranks' own WARN (COMMUX_DEBUG is INFO in the self-test's ranks) is quoted.
     assert "a rank logged: group 0: peer 1 is on this host but UCX reaches it without shared memory" in out, \
         _out(r)

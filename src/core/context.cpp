@@ -57,9 +57,8 @@ void Context::create(bool wakeup, std::size_t estimated_eps, RuntimeInfo& info) 
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                       UCP_PARAM_FIELD_ESTIMATED_NUM_EPS;
   params.features = UCP_FEATURE_TAG;
-  // UCP_FEATURE_WAKEUP makes UCX drop every transport without wakeup events -- shared memory
-  // among them (a two-rank job on one host then runs over TCP loopback, 80x slower). So the
-  // event fd is used only where no shared-memory transport could be chosen anyway.
+  // UCP_FEATURE_WAKEUP keeps shared memory (its FIFOs signal an armed receiver); it is asked for
+  // only where it measured no slower (Options::wakeup, docs/progress.md).
   if (wakeup) params.features |= UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
   params.estimated_num_eps = estimated_eps;

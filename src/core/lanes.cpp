@@ -106,8 +106,8 @@ void log_peer_lanes(int rank, int peer, int group, bool same_host, ucp_ep_h ep) 
                " is on this host but UCX reaches it without shared memory (", lanes, "); ",
                user_tls != nullptr && *user_tls != '\0'
                    ? log::cat("UCX_TLS=", user_tls, " leaves shared memory out")
-                   : std::string("COMMUX_WAKEUP=on (UCX then drops shared memory) or a UCX "
-                                 "without its shared-memory transports is the usual reason"),
+                   : std::string("a UCX without its shared-memory transports, or ranks that "
+                                 "do not share /dev/shm (containers), is the usual reason"),
                "; local traffic is then much slower");
   }
 }

@@ -35,8 +35,8 @@ const std::vector<Setting>& settings_table() {
       {"COMMUX_SHUTDOWN_TIMEOUT_MS", "int", "3000", kPerComm,
        "bound on closing endpoints at shutdown"},
       {"COMMUX_WAKEUP", "auto/on/off", "auto", kPerComm,
-       "on: waiters sleep on the worker's event fd (UCX then drops shared memory); auto: only when "
-       "UCX_TLS excludes shared memory anyway; off: never"},
+       "on: the progress thread sleeps on the worker's event fd instead of polling; auto: only "
+       "when UCX_TLS excludes shared memory; off: never"},
       {"COMMUX_YIELD", "auto/on/off", "auto", kPerComm,
        "a spinning waiter's polls that find nothing to do yield the CPU (sched_yield): auto: after "
        "a few microseconds (for 100 ms not at all after a yield that took over 200 us: a foreign "
