@@ -29,6 +29,9 @@ GROUP_SETTINGS = [
     {"COMMUX_SCHEDULE": "1", "COMMUX_PROGRESS_RESUMES": "1"},
     {"COMMUX_CALLER_RUNS": "0", "COMMUX_INFLIGHT": "3"},
     {"COMMUX_GROUP": "1", "COMMUX_COALESCE": "1"},
+    # A second worker (a wakeup mode of its own) whose progress thread sleeps on UCX's event fd,
+    # and waiters that sleep at once: its calls complete through that thread's wake-ups.
+    {"COMMUX_WAKEUP": "on", "COMMUX_SPIN_US": "0", "COMMUX_INFLIGHT": "3"},
 ]
 SIZES = [1, 13, 1000, 40_000, 300_000]  # elements: eager and rendezvous messages, pipelined ones
 DTYPES = ["float32", "int32", "float64", "int64", "bfloat16"]
