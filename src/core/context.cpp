@@ -57,8 +57,8 @@ void Context::create(bool wakeup, std::size_t estimated_eps, RuntimeInfo& info) 
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                       UCP_PARAM_FIELD_ESTIMATED_NUM_EPS;
   params.features = UCP_FEATURE_TAG;
-  // UCP_FEATURE_WAKEUP keeps shared memory (its FIFOs signal an armed receiver); it is asked for
-  // only where it measured no slower (Options::wakeup, docs/progress.md).
+  // UCP_FEATURE_WAKEUP keeps shared memory (its FIFOs signal an armed receiver). Asked for when
+  // forced, or by default only where it measured no slower (Options::wakeup, docs/progress.md).
   if (wakeup) params.features |= UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
   params.estimated_num_eps = estimated_eps;
