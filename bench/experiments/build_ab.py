@@ -3,6 +3,11 @@
 
     python3 bench/experiments/build_ab.py OLD_BUILD NEW_BUILD [--rounds N] [--np 2,4]
                                           [--sizes 8,4K,64K,1M] [--ops allreduce,...]
+                                          [--env K=V] [--old-env K=V] [--new-env K=V]
+
+--env sets a variable for both sides, --old-env and --new-env for one (each may be repeated): the
+same build twice with --new-env COMMUX_WAKEUP=on, say, compares a setting (UCX_NET_DEVICES is lo
+unless set).
 
 Each round runs, for each build in turn (the order alternates between rounds, so neither build
 always goes first): commux_bench --mode pingpong (one-way latency) and commux_coll_bench on each
@@ -26,31 +31,40 @@ ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
 TIMEOUT_S = 600
 
 
-def run_json(cmd):
+def run_json(cmd, env):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        p = run_command(cmd + ["--json", str(out)], ENV, TIMEOUT_S)
+        p = run_command(cmd + ["--json", str(out)], env, TIMEOUT_S)
         if p.returncode != 0 or not out.exists():
             sys.exit(f"build_ab: {' '.join(map(str, cmd))} failed (rc {p.returncode}): "
                      f"{(p.stderr or p.error or '')[-2000:]}")
         return json.loads(out.read_text())
 
 
-def measure(build, args):
+def measure(build, args, env):
     """{(test, size): microseconds} of one build, and the wrong-byte count."""
     times, wrong = {}, 0
     sizes = ",".join(str(s) for s in args.sizes)
-    r = run_json([str(build / "bench" / "commux_bench"), "--mode", "pingpong", "--sizes", sizes])
+    r = run_json([str(build / "bench" / "commux_bench"), "--mode", "pingpong", "--sizes", sizes],
+                 env)
     for row in r["rows"]:
         times[("p2p one-way", row["size"])] = row["time_us_median"]
         wrong += row["wrong"]
     for np_ in args.np:
         r = run_json([str(build / "bench" / "commux_coll_bench"), "--np", str(np_), "--ops",
-                      ",".join(args.ops), "--sizes", sizes, "--reps", "5"])
+                      ",".join(args.ops), "--sizes", sizes, "--reps", "5"], env)
         for row in r["rows"]:
             times[(f"{row['op']} np={np_}", row["bytes"])] = statistics.median(row["times_us"])
             wrong += row["wrong"]
     return times, wrong
+
+
+def setting(text):
+    """'K=V' -> (K, V)."""
+    k, eq, v = text.partition("=")
+    if not eq or not k:
+        raise argparse.ArgumentTypeError(f"not K=V: {text!r}")
+    return k, v
 
 
 def main(argv=None):
@@ -63,17 +77,25 @@ def main(argv=None):
                    default=[8, 4096, 65536, 1 << 20])
     p.add_argument("--ops", type=lambda s: s.split(","),
                    default=["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"])
+    for name, whose in (("env", "both sides"), ("old-env", "OLD_BUILD"), ("new-env", "NEW_BUILD")):
+        p.add_argument(f"--{name}", type=setting, action="append", default=[],
+                       help=f"K=V: a variable for {whose} (repeatable)")
     args = p.parse_args(argv)
+    extra = {w: {**dict(args.env), **dict(getattr(args, f"{w}_env"))} for w in ("old", "new")}
+    envs = {w: {**ENV, **extra[w]} for w in ("old", "new")}
     runs = {"old": [], "new": []}
     wrong = 0
     for i in range(args.rounds):
         order = ["old", "new"] if i % 2 == 0 else ["new", "old"]
         for which in order:
-            t, w = measure(getattr(args, which).resolve(), args)
+            t, w = measure(getattr(args, which).resolve(), args, envs[which])
             runs[which].append(t)
             wrong += w
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
     keys = list(runs["old"][0])
+    for which in ("old", "new"):
+        if extra[which]:
+            print(f"{which}: " + " ".join(f"{k}={v}" for k, v in extra[which].items()))
     print(f"| test | size | old µs | new µs | new/old |  ({args.rounds} rounds, medians)")
     print("|---|---:|---:|---:|---:|")
     ratios = []
