@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -273,4 +274,157 @@ TEST(HeldPosts, FailuresAreLoudAndNamed) {
     CX_CHECK_HAS(s, "shut down");
     CX_CHECK_HAS(s, "not posted yet: waiting for a test stream that never finishes");
   });
+}
+
+// ---- Messages sent and received inside the call (Channel::send_now, recv_now) ----------------
+// The collectives send small messages with send_now and receive those already there with
+// recv_now: no Request, no Op. These check what they promise: the data and length, a decline
+// that sends or posts nothing, and the errors of a message that does not fit, which must be as
+// loud as post()'s.
+namespace {
+// Whether this UCX reports a receive's sender and length when it completes inside the call
+// (1.16 and later): recv_now declines without it.
+bool receives_inside_the_call(Communicator& c) {
+  unsigned major = 0, minor = 0;
+  const std::string v = detail::channel(c).info().ucx_version;
+  if (std::sscanf(v.c_str(), "%u.%u", &major, &minor) != 2) return false;
+  return major > 1 || (major == 1 && minor >= 16);
+}
+
+// Waits (bounded) until a user message of `tag` from `peer` has arrived unmatched.
+void await_arrival(Communicator& c, int peer, std::uint32_t tag) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!detail::channel(c).probe(TagKind::kUser, peer, tag, ~std::uint32_t{0}, nullptr)) {
+    CX_CHECK(std::chrono::steady_clock::now() < until);
+    std::this_thread::yield();
+  }
+}
+}  // namespace
+
+TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
+  run_ranks(2, [](Communicator& c) {
+    detail::Channel& ch = detail::channel(c);
+    const bool inline_recv = receives_inside_the_call(c);
+    std::vector<unsigned char> go(1, 1);
+    if (c.rank() == 0) {
+      std::vector<unsigned char> a = filled(7, 8);
+      CX_CHECK(ch.send_now(buf(a), 1, TagKind::kUser, 7));
+      // Too large for the transport's short protocol: declined, nothing sent (tag 8's first
+      // message is the posted one below).
+      std::vector<unsigned char> big = filled(8, 1 << 20);
+      CX_CHECK(!ch.send_now(buf(big), 1, TagKind::kUser, 8));
+      std::vector<unsigned char> small = filled(9, 16);
+      c.send({buf(small)}, 1, 8);
+      // Bad arguments and a device buffer are declined: post() reports them.
+      CX_CHECK(!ch.send_now(buf(a), 2, TagKind::kUser, 7));
+      CX_CHECK(!ch.send_now(Buffer{nullptr, 8, MemoryType::kHost}, 1, TagKind::kUser, 7));
+      CX_CHECK(!ch.send_now(Buffer{a.data(), 8, MemoryType::kCuda}, 1, TagKind::kUser, 7));
+      c.recv({buf(go)}, 1, 1);  // rank 1 has posted its receive of tag 9
+      std::vector<unsigned char> later = filled(10, 24);
+      c.send({buf(later)}, 1, 9);
+    } else {
+      await_arrival(c, 0, 7);
+      std::vector<unsigned char> in(8);
+      std::size_t got = 0;
+      Request posted;
+      const bool done = ch.recv_now(buf(in), 0, TagKind::kUser, 7, &got, &posted);
+      CX_CHECK_EQ(done, inline_recv);
+      if (done) {
+        CX_CHECK(!posted.valid());
+        CX_CHECK_EQ(got, std::size_t{8});
+      } else {
+        CX_CHECK(!posted.valid());  // declined: nothing posted
+        c.recv({buf(in)}, 0, 7);
+      }
+      check_filled(in, 7, 8);
+      std::vector<unsigned char> in8(16);
+      c.recv({buf(in8)}, 0, 8);
+      check_filled(in8, 9, 16);
+      // Not there yet: posted, and it completes like any receive.
+      std::vector<unsigned char> in9(32);
+      Request r;
+      CX_CHECK(!ch.recv_now(buf(in9), 0, TagKind::kUser, 9, &got, &r));
+      if (!inline_recv) r = c.irecv(buf(in9), 0, 9);
+      CX_CHECK(r.valid());
+      c.send({buf(go)}, 0, 1);
+      r.wait();
+      CX_CHECK_EQ(r.bytes(), std::size_t{24});
+      CX_CHECK_EQ(r.source(), 0);
+      in9.resize(24);
+      check_filled(in9, 10, 24);
+    }
+  });
+}
+
+TEST(InsideTheCall, AReceivePostedThereIsCancelledAndFailedAsAnyOther) {
+  run_ranks(2, [](Communicator& c) {
+    std::vector<unsigned char> done(1, 1);
+    if (c.rank() == 0) {  // stays until rank 1 is through (a peer that is gone: recv_now declines)
+      c.recv({buf(done)}, 1, 23);
+      return;
+    }
+    if (!receives_inside_the_call(c)) {
+      c.send({buf(done)}, 0, 23);
+      return;
+    }
+    detail::Channel& ch = detail::channel(c);
+    std::vector<unsigned char> in(8);
+    std::size_t got = 0;
+    Request r;
+    CX_CHECK(!ch.recv_now(buf(in), 0, TagKind::kUser, 21, &got, &r));
+    CX_CHECK(r.valid() && !r.done());
+    r.cancel();
+    CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { r.wait(std::chrono::seconds(5)); }), "recv");
+    Request s;
+    CX_CHECK(!ch.recv_now(buf(in), 0, TagKind::kUser, 22, &got, &s));
+    CX_CHECK(s.valid());
+    c.send({buf(done)}, 0, 23);
+    c.shutdown();
+    CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { s.wait(std::chrono::seconds(5)); }),
+                 "shut down");
+  });
+}
+
+// A message that is there but too long, or packed differently, is taken by recv_now and fails
+// the receive it returns with post()'s error: never a silent short read.
+TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
+  RunOptions o;
+  o.comm_for_rank = [](int rank) {
+    Options x = default_test_options();
+    x.packing = rank == 0 ? Packing::kIov : Packing::kParts;
+    return x;
+  };
+  run_ranks(
+      2,
+      [](Communicator& c) {
+        detail::Channel& ch = detail::channel(c);
+        if (c.rank() == 0) {
+          std::vector<unsigned char> a = filled(1, 16);
+          c.send({buf(a)}, 1, 31);
+          std::vector<unsigned char> x(8, 1), y(8, 2);
+          c.send({buf(x), buf(y)}, 1, 32);  // packed: one IOV message
+          std::vector<unsigned char> done(1);
+          c.recv({buf(done)}, 1, 33);  // (a peer that is gone makes recv_now decline)
+        } else {
+          std::vector<unsigned char> in(8), in16(16);
+          std::size_t got = 0;
+          await_arrival(c, 0, 31);
+          Request r;
+          const bool inline_recv = receives_inside_the_call(c);
+          CX_CHECK(!ch.recv_now(buf(in), 0, TagKind::kUser, 31, &got, &r));
+          CX_CHECK_EQ(r.valid(), inline_recv);
+          if (!inline_recv) r = c.irecv(buf(in), 0, 31);
+          const std::string t = expect_error(Errc::kTruncated, [&] { r.wait(); });
+          CX_CHECK_HAS(t, "too long");
+          CX_CHECK_HAS(t, "peer 0");
+          await_arrival(c, 0, 32);
+          Request p;
+          CX_CHECK(!ch.recv_now(buf(in16), 0, TagKind::kUser, 32, &got, &p));
+          if (!inline_recv) p = c.irecv(buf(in16), 0, 32);
+          CX_CHECK_HAS(expect_error(Errc::kWireMismatch, [&] { p.wait(); }), "COMMUX_COALESCE");
+          std::vector<unsigned char> done(1, 1);
+          c.send({buf(done)}, 0, 33);
+        }
+      },
+      o);
 }

@@ -208,6 +208,12 @@ std::chrono::milliseconds Exchange::remaining(Clock::time_point now) {
 std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, MemoryType mem) {
   const Buffer b{const_cast<void*>(data), bytes, mem};
   try {
+    // A small message the transport takes inside the call is complete: no request to wait for.
+    if (chan_->send_now(b, peer, TagKind::kInternal, wire_)) {
+      reqs_.push_back(Posted{Request{}, true, bytes});
+      if (first_open_ == reqs_.size() - 1) ++first_open_;
+      return reqs_.size() - 1;
+    }
     // Fast completion: the collectives wait for their sends at once; UCX applies it only to
     // messages below its eager threshold, large ones stay zero-copy rendezvous.
     reqs_.push_back(Posted{chan_->post_send(&b, 1, peer, TagKind::kInternal, wire_, true)});
@@ -220,6 +226,18 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
 std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType mem) {
   const Buffer b{data, bytes, mem};
   try {
+    // A message that is there already is received inside the call: no request to wait for.
+    std::size_t got = 0;
+    Request posted;
+    if (peer != kAnySource && chan_->recv_now(b, peer, TagKind::kInternal, wire_, &got, &posted)) {
+      reqs_.push_back(Posted{Request{}, true, got});
+      if (first_open_ == reqs_.size() - 1) ++first_open_;
+      return reqs_.size() - 1;
+    }
+    if (posted.valid()) {
+      reqs_.push_back(Posted{std::move(posted)});
+      return reqs_.size() - 1;
+    }
     reqs_.push_back(Posted{chan_->post_recv(&b, 1, peer, TagKind::kInternal, wire_)});
   } catch (const Error& e) {
     rethrow(e);
@@ -233,6 +251,7 @@ void Exchange::wait(std::size_t id) {
   // as a plain wait does, so a collective that completes in time costs nothing more.
   // (At most one clock read on the way, as a plain wait: small collectives pay nothing
   // measurable.)
+  if (reqs_[id].waited) return;  // waited for already, or sent inside its call (send())
   ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
   try {
     // Inside a Schedule: suspend instead of blocking, until the request finishes or the deadline
@@ -295,7 +314,9 @@ void Exchange::wait_all() {
   }
 }
 
-std::size_t Exchange::bytes(std::size_t id) const { return reqs_[id].req.bytes(); }
+std::size_t Exchange::bytes(std::size_t id) const {
+  return reqs_[id].req.valid() ? reqs_[id].req.bytes() : reqs_[id].sent;
+}
 
 void Exchange::room_for_scratch() {
   // Doubling: the arena keeps every block it handed out until the call ends.

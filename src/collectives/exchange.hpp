@@ -160,9 +160,12 @@ class Exchange {
   Clock::time_point waiting_since_{};                      // began_waiting()
   const char* phase_ = nullptr;
   // Every request posted, and whether it was waited for successfully (its outcome has been seen).
+  // (A message sent inside its call, Channel::send_now, has no request: it is waited for, and
+  // `sent` says its bytes.)
   struct Posted {
     Request req;
     bool waited = false;
+    std::size_t sent = 0;
   };
   struct Scratch {
     std::unique_ptr<char[]> data;  // host scratch (from the pool)

@@ -139,6 +139,38 @@ class Channel {
   // one): for the tests, and to see how much of the progress it does.
   virtual std::uint64_t progress_thread_passes() const noexcept { return 0; }
 
+  // Sends one buffer if the transport can finish it inside this call (a small host message
+  // whose transport has room): true when it has been sent, complete, with nothing to wait for;
+  // false when nothing was sent, and the caller posts it with post(): whatever would make post()
+  // fail (a bad argument, a gone peer, a shutdown) returns false, and post() then reports it. It
+  // never overtakes a held post (post_after) it could match before. No
+  // Request, so no RequestState to allocate: small collectives send most of their messages so.
+  // The default sends nothing.
+  virtual bool send_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag) {
+    (void)buffer;
+    (void)peer;
+    (void)kind;
+    (void)tag;
+    return false;
+  }
+
+  // Receives one buffer from `peer` (not kAnySource) inside this call if its message is there
+  // already: true when it has been received, with `*bytes` its length. Otherwise false, and
+  // either `*posted` holds the receive, posted (it completes, or has failed, as post()'s would:
+  // a message too long, say, is its error), or `*posted` stays empty: nothing was posted, and the
+  // caller posts it with post(), which reports what made this decline. It never overtakes a held
+  // post. The default posts nothing.
+  virtual bool recv_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag,
+                        std::size_t* bytes, Request* posted) {
+    (void)buffer;
+    (void)peer;
+    (void)kind;
+    (void)tag;
+    (void)bytes;
+    (void)posted;
+    return false;
+  }
+
   Request post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
                     std::uint32_t tag, bool fast_completion = false) {
     return post(Direction::kSend, "send", buffers, count, peer, kind, tag, fast_completion);

@@ -57,6 +57,9 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   Request post_after(std::shared_ptr<Gate> gate, Direction dir, const char* name,
                      const Buffer* buffers, std::size_t count, int peer, TagKind kind,
                      std::uint32_t tag, bool fast_completion) override;
+  bool send_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag) override;
+  bool recv_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag, std::size_t* bytes,
+                Request* posted) override;
   bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
              Unexpected* out) override;
   std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override;
@@ -108,6 +111,13 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   static void send_cb(void* request, ucs_status_t status, void* user_data);
   static void recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                       void* user_data);
+  // The callback of a receive recv_now() posted before it had an Op (user data: the Engine):
+  // finds the Part it became (adopted_) and goes on as recv_cb.
+  static void adopted_recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                              void* user_data);
+  // A new Op for post_op() or recv_now(), not registered yet.
+  std::shared_ptr<Op> make_op(Op::Kind kind, const char* name, const Buffer* buffers,
+                              std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag);
   void validate(Op::Kind kind, const char* name, const Buffer* buffers, std::size_t count,
                 int peer) const;
   // Gives a registered op to UCX: its first parts (all but an any-source receive's rest).
@@ -150,6 +160,11 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::vector<std::shared_ptr<Op>> parked_;     // [mu] failed ops UCX still holds parts of
   std::deque<std::shared_ptr<Op>> held_;        // [mu] posts held back (Op::held), call order
   std::vector<std::unique_ptr<char[]>> unfinished_sinks_;  // [mu] see discard_unexpected_locked
+  // [mu] Receives recv_now() posted that UCX kept: its request, and the Part of the Op it became.
+  std::vector<std::pair<void*, Part*>> adopted_;
+  // Whether UCX reports a receive's sender tag and length when it completes one inside the call
+  // (UCX 1.16 and later): recv_now() needs them, and declines without.
+  bool recv_info_inline_ = false;
 };
 
 }  // namespace commux::detail

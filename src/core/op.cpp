@@ -15,6 +15,8 @@ namespace commux::detail {
 
 namespace {
 constexpr std::size_t kNoInfo = ~std::size_t{0};
+// Engine::send_now always tries messages up to this size (Peer::send_now_max).
+constexpr std::size_t kSendNowFloor = 64;
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -63,11 +65,9 @@ void Engine::validate(Op::Kind kind, const char* name, const Buffer* buffers, st
   }
 }
 
-std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffer* buffers,
+std::shared_ptr<Op> Engine::make_op(Op::Kind kind, const char* name, const Buffer* buffers,
                                     std::size_t count, int peer, TagKind tag_kind,
-                                    std::uint32_t tag, bool fast_completion,
-                                    std::shared_ptr<Gate> gate) {
-  validate(kind, name, buffers, count, peer);
+                                    std::uint32_t tag) {
   auto op = std::make_shared<Op>();
   op->kind = kind;
   op->name = name;
@@ -90,6 +90,15 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
   }
   op->engine = shared_from_this();
   op->source = peer;
+  return op;
+}
+
+std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffer* buffers,
+                                    std::size_t count, int peer, TagKind tag_kind,
+                                    std::uint32_t tag, bool fast_completion,
+                                    std::shared_ptr<Gate> gate) {
+  validate(kind, name, buffers, count, peer);
+  std::shared_ptr<Op> op = make_op(kind, name, buffers, count, peer, tag_kind, tag);
 
   std::lock_guard<std::mutex> lock(worker_.mutex());
   if (shut_down_ || worker_.shut_down_locked()) {
@@ -308,6 +317,116 @@ void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
   }
 }
 
+// A small send that UCX finishes inside the call (its short protocol: the bytes are in the
+// transport when it returns) needs no Op: no allocation, no registration, no completion to wait
+// for. UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL makes UCX send nothing unless it can finish it so.
+// (Receives have no such path: with that flag UCX drops a matched message that is not a single
+// eager fragment.) Anything else returns false with nothing sent, and post() does it the full way,
+// errors included, in the same order: a send held back (post_after) is never overtaken.
+bool Engine::send_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag) {
+  if (b.mem != MemoryType::kHost || peer < 0 || peer >= size_ ||
+      (b.data == nullptr && b.size > 0) || log::enabled(log::Level::kTrace)) {
+    return false;  // (traced sends go the logged way)
+  }
+  std::lock_guard<std::mutex> lock(worker_.mutex());
+  Peer& to = peers_[peer];
+  if (b.size > to.send_now_max || shut_down_ || worker_.shut_down_locked() || !held_.empty() ||
+      to.status != UCS_OK || to.ep == nullptr ||
+      (kind == TagKind::kInternal && peers_.group_broken_locked() >= 0)) {
+    return false;
+  }
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  prm.memory_type = UCS_MEMORY_TYPE_HOST;
+  TagFields f;
+  f.sender = rank_;
+  f.group = options_.group;
+  f.kind = kind;
+  f.user = tag;
+  const ucs_status_ptr_t r = ucp_tag_send_nbx(to.ep, b.data, b.size, make_tag(f).bits, &prm);
+  if (r == nullptr) return true;
+  if (UCS_PTR_IS_ERR(r)) {  // nothing sent
+    if (UCS_PTR_STATUS(r) == UCS_ERR_NO_RESOURCE && b.size > kSendNowFloor) {
+      to.send_now_max = b.size - 1;  // (a post costs more after a failed try)
+    }
+    return false;
+  }
+  // UCX took the message after all (it does not, with this flag): it is in flight, so it is not
+  // posted again; wait for it here, as post() and a wait would.
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  while (ucp_request_check_status(r) == UCS_INPROGRESS &&
+         std::chrono::steady_clock::now() < deadline) {
+    progress_locked();
+  }
+  ucs_status_t st = ucp_request_check_status(r);
+  if (st == UCS_INPROGRESS) {
+    ucp_request_cancel(worker_.handle(), r);
+    st = UCS_ERR_TIMED_OUT;
+  }
+  ucp_request_free(r);
+  if (st != UCS_OK) {
+    throw error_from_status(st,
+                            ErrorSite{"send", peer, tag, b.size, std::to_string(options_.group)},
+                            "to peer " + std::to_string(peer) + ", tag " + std::to_string(tag) +
+                                ", " + std::to_string(b.size) + " bytes (sent inside the call)");
+  }
+  return true;
+}
+
+// A receive whose message is there already completes inside ucp_tag_recv_nbx: with no
+// UCP_OP_ATTR_FLAG_NO_IMM_CMPL UCX copies it and reports the sender tag and length (1.16 and
+// later), and needs no Op. One whose message is not there yet becomes an Op as it returns: UCX
+// keeps the receive, and its callback (adopted_recv_cb, user data the Engine, as the Op did not
+// exist at the call) finds the Op's Part by its request. A message taken that is not a clean fit
+// (too long, packed differently) becomes a finished Op too, with the error post() would give.
+bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag,
+                      std::size_t* bytes, Request* posted) {
+  if (!recv_info_inline_ || b.mem != MemoryType::kHost || peer < 0 || peer >= size_ ||
+      (b.data == nullptr && b.size > 0) || log::enabled(log::Level::kTrace)) {
+    return false;  // (traced receives go the logged way)
+  }
+  std::lock_guard<std::mutex> lock(worker_.mutex());
+  if (shut_down_ || worker_.shut_down_locked() || !held_.empty() || peers_[peer].status != UCS_OK ||
+      (kind == TagKind::kInternal && peers_.group_broken_locked() >= 0)) {
+    return false;
+  }
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
+  prm.cb.recv = &Engine::adopted_recv_cb;
+  prm.user_data = this;
+  prm.memory_type = UCS_MEMORY_TYPE_HOST;
+  ucp_tag_recv_info_t info{};
+  info.length = kNoInfo;
+  prm.recv_info.tag_info = &info;
+  const RecvMatch m = recv_match(peer, options_.group, kind, false, tag);
+  adopted_.reserve(adopted_.size() + 1);  // (nothing may throw once UCX holds the receive)
+  const ucs_status_ptr_t r =
+      ucp_tag_recv_nbx(worker_.handle(), b.data, b.size, m.tag.bits, m.mask.bits, &prm);
+  if (r == nullptr && info.length != kNoInfo && info.length <= b.size &&
+      (info.sender_tag & tag_layout::kIovBit) == 0) {
+    *bytes = info.length;
+    return true;
+  }
+  std::shared_ptr<Op> op = make_op(Op::Kind::kRecv, "recv", &b, 1, peer, kind, tag);
+  worker_.register_locked(op);
+  op->remaining = 1;
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+    op->parts[0].ucx_req = r;
+    adopted_.emplace_back(r, &op->parts[0]);
+  } else {
+    const ucs_status_t st = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
+    if (st == UCS_OK && info.length == kNoInfo) {  // (not a UCX this was written for)
+      op->has_override = true;
+      op->override_code = Errc::kTransport;
+      op->override_reason = "UCX received the message but did not report its sender and length";
+    }
+    part_done_locked(*op, 0, st, info.length != kNoInfo ? &info : nullptr);
+  }
+  *posted = make_request(std::move(op));
+  return false;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Completion (runs inside ucp_worker_progress or inline after posting; worker mutex held)
 
@@ -329,6 +448,22 @@ void Engine::recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info
   const ucp_tag_recv_info_t copy = info != nullptr ? *info : ucp_tag_recv_info_t{};
   ucp_request_free(request);
   op->engine->part_done_locked(*op, part->index, status, info != nullptr ? &copy : nullptr);
+}
+
+void Engine::adopted_recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                             void* user_data) {
+  auto* e = static_cast<Engine*>(user_data);
+  const auto it = std::find_if(e->adopted_.begin(), e->adopted_.end(),
+                               [&](const auto& a) { return a.first == request; });
+  if (it == e->adopted_.end()) {  // (cannot happen: recv_now lists it before UCX can call this)
+    COMMUX_LOG(kWarn, e->rank_, "a receive UCX completed is not listed: ignored");
+    ucp_request_free(request);
+    return;
+  }
+  Part* part = it->second;
+  *it = e->adopted_.back();
+  e->adopted_.pop_back();
+  recv_cb(request, status, info, part);
 }
 
 void Engine::part_done_locked(Op& op, std::uint32_t index, ucs_status_t status,

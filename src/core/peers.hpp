@@ -43,6 +43,10 @@ struct Peer {
   std::string reason;                                 // [mu] why the peer is gone
   ProcessIdentity identity;                           // set in connect(), then read-only
   bool same_host = false;                             // set in connect(), then read-only
+  // [mu] The largest message Engine::send_now still tries to this peer: lowered to below a size
+  // UCX would not send inside the call (its short protocol ends there, or the transport was full
+  // at the time), never below kSendNowFloor bytes, which it always tries.
+  std::size_t send_now_max = 4096;
   // The endpoint error callback's argument: nullptr until the endpoint is made.
   ErrorTarget* target = nullptr;
 };
