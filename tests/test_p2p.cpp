@@ -50,14 +50,21 @@ INSTANTIATE_TEST_SUITE_P(Packings, MultiBuffer,
                                   "_" + std::to_string(std::get<1>(p.param)) + "ranks";
                          });
 
-// A rank that packs multi-buffer messages while its peer does not gets a clear error, not garbage.
-TEST(P2P, PackingMismatchIsReported) {
+namespace {
+// Rank 0 packs multi-buffer messages into one (COMMUX_COALESCE), rank 1 does not.
+RunOptions packing_on_rank_0() {
   RunOptions o;
   o.comm_for_rank = [](int rank) {
     Options x = default_test_options();
     x.packing = rank == 0 ? Packing::kIov : Packing::kParts;
     return x;
   };
+  return o;
+}
+}  // namespace
+
+// A rank that packs multi-buffer messages while its peer does not gets a clear error, not garbage.
+TEST(P2P, PackingMismatchIsReported) {
   run_ranks(
       2,
       [](Communicator& c) {
@@ -71,7 +78,7 @@ TEST(P2P, PackingMismatchIsReported) {
           CX_CHECK_HAS(msg, "peer 0");
         }
       },
-      o);
+      packing_on_rank_0());
 }
 
 // Several threads per rank post and wait at once.
@@ -388,12 +395,6 @@ TEST(InsideTheCall, AReceivePostedThereIsCancelledAndFailedAsAnyOther) {
 // A message that is there but too long, or packed differently, is taken by recv_now and fails
 // the receive it returns with post()'s error: never a silent short read.
 TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
-  RunOptions o;
-  o.comm_for_rank = [](int rank) {
-    Options x = default_test_options();
-    x.packing = rank == 0 ? Packing::kIov : Packing::kParts;
-    return x;
-  };
   run_ranks(
       2,
       [](Communicator& c) {
@@ -426,5 +427,5 @@ TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
           c.send({buf(done)}, 0, 33);
         }
       },
-      o);
+      packing_on_rank_0());
 }
