@@ -289,15 +289,6 @@ TEST(HeldPosts, FailuresAreLoudAndNamed) {
 // that sends or posts nothing, and the errors of a message that does not fit, which must be as
 // loud as post()'s.
 namespace {
-// Whether this UCX reports a receive's sender and length when it completes inside the call
-// (1.16 and later): recv_now declines without it.
-bool receives_inside_the_call(Communicator& c) {
-  unsigned major = 0, minor = 0;
-  const std::string v = detail::channel(c).info().ucx_version;
-  if (std::sscanf(v.c_str(), "%u.%u", &major, &minor) != 2) return false;
-  return major > 1 || (major == 1 && minor >= 16);
-}
-
 // Waits (bounded) until a user message of `tag` from `peer` has arrived unmatched.
 void await_arrival(Communicator& c, int peer, std::uint32_t tag) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
@@ -311,7 +302,6 @@ void await_arrival(Communicator& c, int peer, std::uint32_t tag) {
 TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
   run_ranks(2, [](Communicator& c) {
     detail::Channel& ch = detail::channel(c);
-    const bool inline_recv = receives_inside_the_call(c);
     std::vector<unsigned char> go(1, 1);
     if (c.rank() == 0) {
       std::vector<unsigned char> a = filled(7, 8);
@@ -334,15 +324,9 @@ TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
       std::vector<unsigned char> in(8);
       std::size_t got = 0;
       Request posted;
-      const bool done = ch.recv_now(buf(in), 0, TagKind::kUser, 7, &got, &posted);
-      CX_CHECK_EQ(done, inline_recv);
-      if (done) {
-        CX_CHECK(!posted.valid());
-        CX_CHECK_EQ(got, std::size_t{8});
-      } else {
-        CX_CHECK(!posted.valid());  // declined: nothing posted
-        c.recv({buf(in)}, 0, 7);
-      }
+      CX_CHECK(ch.recv_now(buf(in), 0, TagKind::kUser, 7, &got, &posted));
+      CX_CHECK(!posted.valid());
+      CX_CHECK_EQ(got, std::size_t{8});
       check_filled(in, 7, 8);
       std::vector<unsigned char> in8(16);
       c.recv({buf(in8)}, 0, 8);
@@ -351,7 +335,6 @@ TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
       std::vector<unsigned char> in9(32);
       Request r;
       CX_CHECK(!ch.recv_now(buf(in9), 0, TagKind::kUser, 9, &got, &r));
-      if (!inline_recv) r = c.irecv(buf(in9), 0, 9);
       CX_CHECK(r.valid());
       c.send({buf(go)}, 0, 1);
       r.wait();
@@ -368,10 +351,6 @@ TEST(InsideTheCall, AReceivePostedThereIsCancelledAndFailedAsAnyOther) {
     std::vector<unsigned char> done(1, 1);
     if (c.rank() == 0) {  // stays until rank 1 is through (a peer that is gone: recv_now declines)
       c.recv({buf(done)}, 1, 23);
-      return;
-    }
-    if (!receives_inside_the_call(c)) {
-      c.send({buf(done)}, 0, 23);
       return;
     }
     detail::Channel& ch = detail::channel(c);
@@ -411,17 +390,16 @@ TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
           std::size_t got = 0;
           await_arrival(c, 0, 31);
           Request r;
-          const bool inline_recv = receives_inside_the_call(c);
           CX_CHECK(!ch.recv_now(buf(in), 0, TagKind::kUser, 31, &got, &r));
-          CX_CHECK_EQ(r.valid(), inline_recv);
-          if (!inline_recv) r = c.irecv(buf(in), 0, 31);
+          CX_CHECK(r.valid() && r.done());
           const std::string t = expect_error(Errc::kTruncated, [&] { r.wait(); });
           CX_CHECK_HAS(t, "too long");
           CX_CHECK_HAS(t, "peer 0");
+          CX_CHECK_HAS(t, "the message is 16 bytes but the posted buffer holds 8 bytes");
           await_arrival(c, 0, 32);
           Request p;
           CX_CHECK(!ch.recv_now(buf(in16), 0, TagKind::kUser, 32, &got, &p));
-          if (!inline_recv) p = c.irecv(buf(in16), 0, 32);
+          CX_CHECK(p.valid() && p.done());
           CX_CHECK_HAS(expect_error(Errc::kWireMismatch, [&] { p.wait(); }), "COMMUX_COALESCE");
           std::vector<unsigned char> done(1, 1);
           c.send({buf(done)}, 0, 33);

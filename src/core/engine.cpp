@@ -84,9 +84,6 @@ Engine::Engine(std::shared_ptr<Store> store, int rank, int size, Options options
       worker_(placement_.hub->worker()) {
   options_.group = placement_.group;
   info_ = placement_.hub->info();
-  unsigned major = 0, minor = 0, release = 0;
-  ucp_get_version(&major, &minor, &release);
-  recv_info_inline_ = major > 1 || (major == 1 && minor >= 16);
 }
 
 Engine::~Engine() {

@@ -162,9 +162,6 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::vector<std::unique_ptr<char[]>> unfinished_sinks_;  // [mu] see discard_unexpected_locked
   // [mu] Receives recv_now() posted that UCX kept: its request, and the Part of the Op it became.
   std::vector<std::pair<void*, Part*>> adopted_;
-  // Whether UCX reports a receive's sender tag and length when it completes one inside the call
-  // (UCX 1.16 and later): recv_now() needs them, and declines without.
-  bool recv_info_inline_ = false;
 };
 
 }  // namespace commux::detail

@@ -373,15 +373,17 @@ bool Engine::send_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag
   return true;
 }
 
-// A receive whose message is there already completes inside ucp_tag_recv_nbx: with no
-// UCP_OP_ATTR_FLAG_NO_IMM_CMPL UCX copies it and reports the sender tag and length (1.16 and
-// later), and needs no Op. One whose message is not there yet becomes an Op as it returns: UCX
-// keeps the receive, and its callback (adopted_recv_cb, user data the Engine, as the Op did not
-// exist at the call) finds the Op's Part by its request. A message taken that is not a clean fit
-// (too long, packed differently) becomes a finished Op too, with the error post() would give.
+// A receive whose message is there already needs no Op: ucp_tag_probe_nb takes it from UCX's
+// unexpected queue with its sender tag and length, and ucp_tag_msg_recv_nbx copies it out inside
+// the call (an eager message). One that is not there yet is posted as post() would, in the same
+// call. The rare message found that UCX cannot finish inside the call (a rendezvous, or an eager
+// one whose fragments are still arriving) becomes an Op as the call returns: UCX keeps the
+// receive, and its callback (adopted_recv_cb, user data the Engine, as the Op did not exist at
+// the call) finds the Op's Part by its request. A message that does not fit (too long, packed
+// differently) becomes a finished Op, with the error, length included, that post() would give.
 bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag,
                       std::size_t* bytes, Request* posted) {
-  if (!recv_info_inline_ || b.mem != MemoryType::kHost || peer < 0 || peer >= size_ ||
+  if (b.mem != MemoryType::kHost || peer < 0 || peer >= size_ ||
       (b.data == nullptr && b.size > 0) || log::enabled(log::Level::kTrace)) {
     return false;  // (traced receives go the logged way)
   }
@@ -390,38 +392,38 @@ bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag
       (kind == TagKind::kInternal && peers_.group_broken_locked() >= 0)) {
     return false;
   }
+  const RecvMatch m = recv_match(peer, options_.group, kind, false, tag);
+  ucp_tag_recv_info_t info{};
+  const ucp_tag_message_h msg =
+      ucp_tag_probe_nb(worker_.handle(), m.tag.bits, m.mask.bits, 1, &info);
+  std::shared_ptr<Op> op = nullptr;
+  if (msg == nullptr) {  // not there yet: posted now, in this call
+    op = make_op(Op::Kind::kRecv, "recv", &b, 1, peer, kind, tag);
+    worker_.register_locked(op);
+    start_locked(op);
+    *posted = make_request(std::move(op));
+    return false;
+  }
   ucp_request_param_t prm{};
-  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
+  prm.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   prm.cb.recv = &Engine::adopted_recv_cb;
   prm.user_data = this;
   prm.memory_type = UCS_MEMORY_TYPE_HOST;
-  ucp_tag_recv_info_t info{};
-  info.length = kNoInfo;
-  prm.recv_info.tag_info = &info;
-  const RecvMatch m = recv_match(peer, options_.group, kind, false, tag);
   adopted_.reserve(adopted_.size() + 1);  // (nothing may throw once UCX holds the receive)
-  const ucs_status_ptr_t r =
-      ucp_tag_recv_nbx(worker_.handle(), b.data, b.size, m.tag.bits, m.mask.bits, &prm);
-  if (r == nullptr && info.length != kNoInfo && info.length <= b.size &&
-      (info.sender_tag & tag_layout::kIovBit) == 0) {
+  const ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_.handle(), b.data, b.size, msg, &prm);
+  if (r == nullptr && info.length <= b.size && (info.sender_tag & tag_layout::kIovBit) == 0) {
     *bytes = info.length;
     return true;
   }
-  std::shared_ptr<Op> op = make_op(Op::Kind::kRecv, "recv", &b, 1, peer, kind, tag);
+  op = make_op(Op::Kind::kRecv, "recv", &b, 1, peer, kind, tag);
   worker_.register_locked(op);
   op->remaining = 1;
   if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
     op->parts[0].ucx_req = r;
     adopted_.emplace_back(r, &op->parts[0]);
   } else {
-    const ucs_status_t st = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
-    if (st == UCS_OK && info.length == kNoInfo) {  // (not a UCX this was written for)
-      op->has_override = true;
-      op->override_code = Errc::kTransport;
-      op->override_reason = "UCX received the message but did not report its sender and length";
-    }
-    part_done_locked(*op, 0, st, info.length != kNoInfo ? &info : nullptr);
+    part_done_locked(*op, 0, r == nullptr ? UCS_OK : UCS_PTR_STATUS(r), &info);
   }
   *posted = make_request(std::move(op));
   return false;
