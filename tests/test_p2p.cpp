@@ -299,6 +299,9 @@ void await_arrival(Communicator& c, int peer, std::uint32_t tag) {
 }
 }  // namespace
 
+// Sizes that UCX sends eagerly in fragments or by rendezvous.
+const std::vector<std::size_t> kLarge = {8 << 10, 16 << 10, 40 << 10, 80 << 10, 256 << 10, 1 << 20};
+
 TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
   run_ranks(2, [](Communicator& c) {
     detail::Channel& ch = detail::channel(c);
@@ -319,6 +322,18 @@ TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
       c.recv({buf(go)}, 1, 1);  // rank 1 has posted its receive of tag 9
       std::vector<unsigned char> later = filled(10, 24);
       c.send({buf(later)}, 1, 9);
+      // Larger messages there already: eager in fragments (UCX 1.13 completes those through the
+      // callback inside the receive call) and rendezvous (UCX keeps the receive).
+      std::vector<std::vector<unsigned char>> large;
+      std::vector<Request> sends;
+      for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
+        large.push_back(filled(11 + k, kLarge[k]));
+        sends.push_back(c.isend(buf(large.back()), 1, 10 + k));
+      }
+      // Behind every fragment of those, in the endpoint's order.
+      Request marker = c.isend(buf(go), 1, 30);
+      for (Request& r : sends) r.wait();
+      marker.wait();
     } else {
       await_arrival(c, 0, 7);
       std::vector<unsigned char> in(8);
@@ -342,6 +357,25 @@ TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
       CX_CHECK_EQ(r.source(), 0);
       in9.resize(24);
       check_filled(in9, 10, 24);
+      await_arrival(c, 0, 30);  // so every eager fragment before it has arrived
+      for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
+        const std::uint32_t t = 10 + k;
+        const std::size_t n = kLarge[k];
+        const std::uint64_t id = 11 + k;
+        await_arrival(c, 0, t);
+        std::vector<unsigned char> in_large(n);
+        Request rl;
+        if (ch.recv_now(buf(in_large), 0, TagKind::kUser, t, &got, &rl)) {
+          CX_CHECK(!rl.valid());
+          CX_CHECK_EQ(got, n);
+        } else {
+          CX_CHECK(rl.valid());
+          rl.wait();
+          CX_CHECK_EQ(rl.bytes(), n);
+        }
+        check_filled(in_large, id, n);
+      }
+      c.recv({buf(go)}, 0, 30);
     }
   });
 }

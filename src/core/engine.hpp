@@ -162,6 +162,14 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::vector<std::unique_ptr<char[]>> unfinished_sinks_;  // [mu] see discard_unexpected_locked
   // [mu] Receives recv_now() posted that UCX kept: its request, and the Part of the Op it became.
   std::vector<std::pair<void*, Part*>> adopted_;
+  // [mu] The outcome of the receive recv_now() is making, should UCX complete it through its
+  // callback inside the call (UCX 1.13 does for an eager message whose fragments have all
+  // arrived, and still returns the request, released by then): nullptr outside that call.
+  struct InlineRecv {
+    bool done = false;
+    ucs_status_t status = UCS_OK;
+  };
+  InlineRecv* inline_recv_ = nullptr;
 };
 
 }  // namespace commux::detail
