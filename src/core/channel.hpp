@@ -140,12 +140,11 @@ class Channel {
   virtual std::uint64_t progress_thread_passes() const noexcept { return 0; }
 
   // Sends one buffer if the transport can finish it inside this call (a small host message
-  // whose transport has room): true when it has been sent, complete, with nothing to wait for;
-  // false when nothing was sent, and the caller posts it with post(): whatever would make post()
-  // fail (a bad argument, a gone peer, a shutdown) returns false, and post() then reports it. It
-  // never overtakes a held post (post_after) it could match before. No
-  // Request, so no RequestState to allocate: small collectives send most of their messages so.
-  // The default sends nothing.
+  // whose transport has room): true when it has been sent, complete, with nothing to wait for
+  // (no Request, so no RequestState to allocate: small collectives send most messages so); false
+  // when nothing was sent, and the caller posts it with post(): whatever would make post() fail
+  // (a bad argument, a gone peer, a shutdown) returns false, and post() then reports it. It
+  // never overtakes a held post (post_after) it could match before. The default sends nothing.
   virtual bool send_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag) {
     (void)buffer;
     (void)peer;
