@@ -410,7 +410,7 @@ bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag
   prm.cb.recv = &Engine::adopted_recv_cb;
   prm.user_data = this;
   prm.memory_type = UCS_MEMORY_TYPE_HOST;
-  adopted_.reserve(adopted_.size() + 1);  // (nothing may throw once UCX holds the receive)
+  adopted_.reserve(adopted_.size() + 1);  // (so listing the receive below cannot throw)
   InlineRecv in_call;
   inline_recv_ = &in_call;
   const ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_.handle(), b.data, b.size, msg, &prm);
