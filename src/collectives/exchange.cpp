@@ -209,11 +209,7 @@ std::size_t Exchange::send(const void* data, std::size_t bytes, int peer, Memory
   const Buffer b{const_cast<void*>(data), bytes, mem};
   try {
     // A small message the transport takes inside the call is complete: no request to wait for.
-    if (chan_->send_now(b, peer, TagKind::kInternal, wire_)) {
-      reqs_.push_back(Posted{Request{}, true, bytes});
-      if (first_open_ == reqs_.size() - 1) ++first_open_;
-      return reqs_.size() - 1;
-    }
+    if (chan_->send_now(b, peer, TagKind::kInternal, wire_)) return done_inside_call(bytes);
     // Fast completion: the collectives wait for their sends at once; UCX applies it only to
     // messages below its eager threshold, large ones stay zero-copy rendezvous.
     reqs_.push_back(Posted{chan_->post_send(&b, 1, peer, TagKind::kInternal, wire_, true)});
@@ -229,10 +225,8 @@ std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType m
     // A message that is there already is received inside the call: no request to wait for.
     std::size_t got = 0;
     Request posted;
-    if (peer != kAnySource && chan_->recv_now(b, peer, TagKind::kInternal, wire_, &got, &posted)) {
-      reqs_.push_back(Posted{Request{}, true, got});
-      if (first_open_ == reqs_.size() - 1) ++first_open_;
-      return reqs_.size() - 1;
+    if (chan_->recv_now(b, peer, TagKind::kInternal, wire_, &got, &posted)) {
+      return done_inside_call(got);
     }
     if (posted.valid()) {
       reqs_.push_back(Posted{std::move(posted)});
@@ -251,7 +245,7 @@ void Exchange::wait(std::size_t id) {
   // as a plain wait does, so a collective that completes in time costs nothing more.
   // (At most one clock read on the way, as a plain wait: small collectives pay nothing
   // measurable.)
-  if (reqs_[id].waited) return;  // waited for already, or sent inside its call (send())
+  if (reqs_[id].waited) return;  // waited for already, or moved inside its call
   ::commux::detail::RequestState* st = ::commux::detail::state_of(reqs_[id].req);
   try {
     // Inside a Schedule: suspend instead of blocking, until the request finishes or the deadline
@@ -315,7 +309,13 @@ void Exchange::wait_all() {
 }
 
 std::size_t Exchange::bytes(std::size_t id) const {
-  return reqs_[id].req.valid() ? reqs_[id].req.bytes() : reqs_[id].sent;
+  return reqs_[id].req.valid() ? reqs_[id].req.bytes() : reqs_[id].moved;
+}
+
+std::size_t Exchange::done_inside_call(std::size_t bytes) {
+  reqs_.push_back(Posted{Request{}, true, bytes});
+  if (first_open_ == reqs_.size() - 1) ++first_open_;
+  return reqs_.size() - 1;
 }
 
 void Exchange::room_for_scratch() {

@@ -160,13 +160,15 @@ class Exchange {
   Clock::time_point waiting_since_{};                      // began_waiting()
   const char* phase_ = nullptr;
   // Every request posted, and whether it was waited for successfully (its outcome has been seen).
-  // (A message sent inside its call, Channel::send_now, has no request: it is waited for, and
-  // `sent` says its bytes.)
+  // (A message moved inside its call, Channel::send_now or recv_now, has no request: it is
+  // waited for, and `moved` says its bytes.)
   struct Posted {
     Request req;
     bool waited = false;
-    std::size_t sent = 0;
+    std::size_t moved = 0;
   };
+  // Lists a message send() or recv() moved inside its call; returns its id.
+  std::size_t done_inside_call(std::size_t bytes);
   struct Scratch {
     std::unique_ptr<char[]> data;  // host scratch (from the pool)
     std::size_t size = 0;

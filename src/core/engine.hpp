@@ -115,6 +115,15 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   // finds the Part it became (adopted_) and goes on as recv_cb.
   static void adopted_recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                               void* user_data);
+  // Registers `op` and gives it to UCX, or holds it back behind `gate` or an earlier held post
+  // it must not overtake (post_op's part under the lock, once its checks have passed). [mu]
+  void enqueue_locked(const std::shared_ptr<Op>& op, bool fast_completion,
+                      std::shared_ptr<Gate> gate);
+  // Whether send_now/recv_now may take `b` with `peer` at all (else post() does, and reports
+  // what is wrong), and, under the lock, whether nothing forbids it now: a shutdown, a held post
+  // it could overtake, a peer that is gone, a broken group for internal traffic.
+  bool inside_call_fits(const Buffer& b, int peer) const noexcept;
+  bool inside_call_allowed_locked(int peer, TagKind kind) const;  // [mu]
   // A new Op for post_op() or recv_now(), not registered yet.
   std::shared_ptr<Op> make_op(Op::Kind kind, const char* name, const Buffer* buffers,
                               std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag);

@@ -123,6 +123,12 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
                       describe(*op));
     }
   }
+  enqueue_locked(op, fast_completion, std::move(gate));
+  return op;
+}
+
+void Engine::enqueue_locked(const std::shared_ptr<Op>& op, bool fast_completion,
+                            std::shared_ptr<Gate> gate) {
   worker_.register_locked(op);
   op->fast_completion = fast_completion;
   // Held back: behind its gate, or behind an earlier held post it could otherwise overtake
@@ -133,13 +139,12 @@ std::shared_ptr<Op> Engine::post_op(Op::Kind kind, const char* name, const Buffe
     op->gate = std::move(gate);
     held_.push_back(op);
     worker_.held_changed(1);
-    COMMUX_LOG(kTrace, rank_, "hold ", name, " ", describe(*op));
+    COMMUX_LOG(kTrace, rank_, "hold ", op->name, " ", describe(*op));
     release_held_locked();
     if (op->held) worker_.kick();
-    return op;
+    return;
   }
   start_locked(op);
-  return op;
 }
 
 void Engine::start_locked(const std::shared_ptr<Op>& op) {
@@ -323,18 +328,23 @@ void Engine::post_part_locked(Op& op, std::size_t index, bool fast_completion) {
 // (Receives have no such path: with that flag UCX drops a matched message that is not a single
 // eager fragment.) Anything else returns false with nothing sent, and post() does it the full way,
 // errors included, in the same order: a send held back (post_after) is never overtaken.
+bool Engine::inside_call_fits(const Buffer& b, int peer) const noexcept {
+  // (Traced messages go the logged way.)
+  return b.mem == MemoryType::kHost && peer >= 0 && peer < size_ &&
+         (b.data != nullptr || b.size == 0) && !log::enabled(log::Level::kTrace);
+}
+
+bool Engine::inside_call_allowed_locked(int peer, TagKind kind) const {
+  const Peer& p = peers_[peer];
+  return !shut_down_ && !worker_.shut_down_locked() && held_.empty() && p.status == UCS_OK &&
+         p.ep != nullptr && (kind != TagKind::kInternal || peers_.group_broken_locked() < 0);
+}
+
 bool Engine::send_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag) {
-  if (b.mem != MemoryType::kHost || peer < 0 || peer >= size_ ||
-      (b.data == nullptr && b.size > 0) || log::enabled(log::Level::kTrace)) {
-    return false;  // (traced sends go the logged way)
-  }
+  if (!inside_call_fits(b, peer)) return false;
   std::lock_guard<std::mutex> lock(worker_.mutex());
   Peer& to = peers_[peer];
-  if (b.size > to.send_now_max || shut_down_ || worker_.shut_down_locked() || !held_.empty() ||
-      to.status != UCS_OK || to.ep == nullptr ||
-      (kind == TagKind::kInternal && peers_.group_broken_locked() >= 0)) {
-    return false;
-  }
+  if (b.size > to.send_now_max || !inside_call_allowed_locked(peer, kind)) return false;
   ucp_request_param_t prm{};
   prm.op_attr_mask = UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   prm.memory_type = UCS_MEMORY_TYPE_HOST;
@@ -383,24 +393,17 @@ bool Engine::send_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag
 // differently) becomes a finished Op, with the error, length included, that post() would give.
 bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag,
                       std::size_t* bytes, Request* posted) {
-  if (b.mem != MemoryType::kHost || peer < 0 || peer >= size_ ||
-      (b.data == nullptr && b.size > 0) || log::enabled(log::Level::kTrace)) {
-    return false;  // (traced receives go the logged way)
-  }
+  if (!inside_call_fits(b, peer)) return false;
   std::lock_guard<std::mutex> lock(worker_.mutex());
-  if (shut_down_ || worker_.shut_down_locked() || !held_.empty() || peers_[peer].status != UCS_OK ||
-      (kind == TagKind::kInternal && peers_.group_broken_locked() >= 0)) {
-    return false;
-  }
+  if (!inside_call_allowed_locked(peer, kind)) return false;
   const RecvMatch m = recv_match(peer, options_.group, kind, false, tag);
   ucp_tag_recv_info_t info{};
   const ucp_tag_message_h msg =
       ucp_tag_probe_nb(worker_.handle(), m.tag.bits, m.mask.bits, 1, &info);
   std::shared_ptr<Op> op = nullptr;
-  if (msg == nullptr) {  // not there yet: posted now, in this call
+  if (msg == nullptr) {  // not there yet: posted now, in this call, as post() would
     op = make_op(Op::Kind::kRecv, "recv", &b, 1, peer, kind, tag);
-    worker_.register_locked(op);
-    start_locked(op);
+    enqueue_locked(op, false, nullptr);
     *posted = make_request(std::move(op));
     return false;
   }
