@@ -841,3 +841,60 @@ def test_collectives_of_one_group_run_beside_each_other(ranks, ws):
         if rank < len(results) - 1:  # an early rank: its first collective waited for the late one
             assert r["disjoint"] >= 1, (rank, r)
             assert r["halves"] >= 1, (rank, r)
+
+
+def _blocking_results(ctx):
+    """A blocking call's Work (asyncOp false: torch's Python waits for it and drops it) holds its
+    outputs weakly once its caller ran it: result() and get_future() report the caller's tensors
+    while the caller holds them, and a ValueError naming the call once it has freed them (not a
+    Python object kept alive by the Work); an async call's Work keeps its outputs itself."""
+    import gc
+    import weakref
+    W, me = ctx.world, ctx.rank
+    tri = float(W * (W + 1) // 2)
+    pg = dist.distributed_c10d._get_default_group()
+    out = {}
+
+    def opts(async_op):
+        o = dist.AllreduceOptions()
+        o.asyncOp = async_op
+        return o
+
+    t = torch.full((5,), float(me + 1))
+    w = pg.allreduce([t], opts(False))
+    w.wait()
+    r = w.result()
+    out["same"] = len(r) == 1 and r[0].data_ptr() == t.data_ptr()
+    check_equal("blocking all_reduce: result()", r[0], torch.full((5,), tri))
+    check_equal("blocking all_reduce: its future", w.get_future().wait()[0], torch.full((5,), tri))
+    del r
+
+    t = torch.full((6,), float(me + 1))
+    ref = weakref.ref(t)
+    w = pg.allreduce([t], opts(False))
+    w.wait()
+    check_equal("blocking all_reduce", t, torch.full((6,), tri))
+    del t
+    gc.collect()
+    out["freed"] = ref() is None
+    out["result"] = expect_raises(w.result)
+    out["future"] = expect_raises(w.get_future)
+
+    w = pg.allreduce([torch.full((7,), float(me + 1))], opts(True))  # the Work's tensor only
+    w.wait()
+    check_equal("async all_reduce: result() of a tensor only the Work holds", w.result()[0],
+                torch.full((7,), tri))
+    check_equal("async all_reduce: its future", w.get_future().wait()[0], torch.full((7,), tri))
+    return out
+
+
+@pytest.mark.ucx_semantics  # commux's Work (Gloo's keeps its outputs)
+@worlds(2)
+def test_a_blocking_calls_work_holds_its_outputs_weakly(ranks, ws):
+    for rank, r in enumerate(ranks.run(_blocking_results, timeout=60)):
+        assert r["same"], (rank, r)
+        assert r["freed"], (rank, "the finished blocking call's Work kept its tensor alive", r)
+        for what in ("result", "future"):
+            got = r[what]
+            assert got["raised"] and got["type"] == "ValueError", (rank, what, got)
+            assert "allreduce" in got["msg"] and "freed" in got["msg"], (rank, what, got)

@@ -849,6 +849,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     } leave{this};
     if (here) {
       run_blocking(t);
+      // torch's Python waits for this Work and drops it; its outputs are the caller's tensors
+      // (work.hpp, Task::weak_outputs). A coalescing window's Works report them later.
+      if (!t->error && open_windows_.load(std::memory_order_acquire) == 0) t->release_outputs();
     } else {
       start_schedule(t);
     }

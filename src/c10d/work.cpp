@@ -124,8 +124,31 @@ void Task::settle(c10::ivalue::Future& f) {
   if (error) {
     f.setError(error);
   } else {
-    f.markCompleted(c10::IValue(outputs));
+    f.markCompleted(c10::IValue(result_tensors()));
   }
+}
+
+void Task::release_outputs() {
+  weak_outputs.reserve(outputs.size());
+  for (const auto& o : outputs) weak_outputs.emplace_back(o.getIntrusivePtr());
+  outputs_released = true;
+  outputs.clear();  // not their last reference: torch's binding holds them until the call returns
+}
+
+std::vector<at::Tensor> Task::result_tensors() const {
+  if (!outputs_released) return outputs;
+  std::vector<at::Tensor> out;
+  out.reserve(weak_outputs.size());
+  for (const auto& w : weak_outputs) {
+    auto p = w.lock();
+    if (!p) {
+      invalid(op_name,
+              "result() of a blocking call (asyncOp false) needs its tensors alive, and one of "
+              "them has been freed (keep it, or call with asyncOp true)");
+    }
+    out.emplace_back(std::move(p));
+  }
+  return out;
 }
 
 CollWork::CollWork(int rank, std::shared_ptr<Task> task, std::chrono::milliseconds default_timeout,
