@@ -885,10 +885,21 @@ coll::Context ProcessGroupUCX::Impl::context(const char* op_name, std::uint32_t 
   if (like.defined()) {
     // Every rank's tensors of a collective have one dtype: part of the call's fingerprint, and
     // with the element count how errors describe the call ("1000 float32").
-    thread_local std::string text;
-    text = std::to_string(like.numel()) + " " + c10d_detail::dtype_text(like.scalar_type());
+    // (Formatted when it changes: a loop of calls of one shape formats it once. It was a tenth of
+    // the backend's instructions of a blocking 8-byte all_reduce.)
+    struct Text {
+      std::int64_t numel = -1;
+      c10::ScalarType type = c10::ScalarType::Undefined;
+      std::string text;
+    };
+    thread_local Text last;
+    if (last.numel != like.numel() || last.type != like.scalar_type()) {
+      last.text = std::to_string(like.numel()) + " " + c10d_detail::dtype_text(like.scalar_type());
+      last.numel = like.numel();
+      last.type = like.scalar_type();
+    }
     c.call_key = static_cast<std::uint64_t>(like.scalar_type()) + 1;
-    c.call_text = text.c_str();
+    c.call_text = last.text.c_str();
   }
   if (on_device(like)) {
     // Reductions, scratch and local copies stay on the device, on the backend's stream.
