@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -307,8 +308,14 @@ void FlightRecorder::started(std::uint64_t seq) {
   }
 }
 
+std::int64_t FlightRecorder::coarse_wall_us() const {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);  // steady_clock's clock, a tick behind at most
+  return static_cast<std::int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000 + wall_offset_us_;
+}
+
 std::exception_ptr FlightRecorder::finished(std::uint64_t seq, std::exception_ptr error) {
-  const std::int64_t t = now_wall_us();
+  const std::int64_t t = error ? now_wall_us() : coarse_wall_us();
   bool timed_out = false;
   if (error) {
     try {
@@ -324,8 +331,8 @@ std::exception_ptr FlightRecorder::finished(std::uint64_t seq, std::exception_pt
     std::lock_guard<std::mutex> lk(mu_);
     Entry* e = find_locked(seq);
     if (e != nullptr) {
-      e->finished_us = t;
-      if (e->started_us > 0) ran_us = t - e->started_us;
+      e->finished_us = std::max({t, e->issued_us, e->started_us});  // (the coarse clock lags)
+      if (e->started_us > 0) ran_us = e->finished_us - e->started_us;
       e->state = !error ? State::kCompleted : timed_out ? State::kTimedOut : State::kFailed;
       op = e->op;
       if (!error) {
