@@ -846,8 +846,9 @@ def test_collectives_of_one_group_run_beside_each_other(ranks, ws):
 def _blocking_results(ctx):
     """A blocking call's Work (asyncOp false: torch's Python waits for it and drops it) holds its
     outputs weakly once its caller ran it: result() and get_future() report the caller's tensors
-    while the caller holds them, and a ValueError naming the call once it has freed them (not a
-    Python object kept alive by the Work); an async call's Work keeps its outputs itself."""
+    while the caller holds them, and a ValueError naming the call once it has freed them (the
+    future fails with it, every time it is asked for; the Work does not keep the tensor alive);
+    an async call's Work keeps its outputs itself."""
     import gc
     import weakref
     W, me = ctx.world, ctx.rank
@@ -878,7 +879,8 @@ def _blocking_results(ctx):
     gc.collect()
     out["freed"] = ref() is None
     out["result"] = expect_raises(w.result)
-    out["future"] = expect_raises(w.get_future)
+    out["future"] = expect_raises(lambda: w.get_future().wait())
+    out["future_again"] = expect_raises(lambda: w.get_future().wait())  # settled, not left pending
 
     w = pg.allreduce([torch.full((7,), float(me + 1))], opts(True))  # the Work's tensor only
     w.wait()
@@ -894,7 +896,7 @@ def test_a_blocking_calls_work_holds_its_outputs_weakly(ranks, ws):
     for rank, r in enumerate(ranks.run(_blocking_results, timeout=60)):
         assert r["same"], (rank, r)
         assert r["freed"], (rank, "the finished blocking call's Work kept its tensor alive", r)
-        for what in ("result", "future"):
+        for what in ("result", "future", "future_again"):
             got = r[what]
             assert got["raised"] and got["type"] == "ValueError", (rank, what, got)
             assert "allreduce" in got["msg"] and "freed" in got["msg"], (rank, what, got)

@@ -123,9 +123,16 @@ void Task::settle(c10::ivalue::Future& f) {
   if (!scope.allowed()) return;  // the interpreter is exiting
   if (error) {
     f.setError(error);
-  } else {
-    f.markCompleted(c10::IValue(result_tensors()));
+    return;
   }
+  std::vector<at::Tensor> value;
+  try {
+    value = result_tensors();
+  } catch (...) {
+    f.setError(std::current_exception());  // a released output freed: the future fails, loudly
+    return;
+  }
+  f.markCompleted(c10::IValue(std::move(value)));
 }
 
 void Task::release_outputs() {

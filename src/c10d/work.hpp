@@ -180,7 +180,8 @@ struct Task {
   // After a successful finish, before anyone else may see the Task (its Work not yet returned).
   void release_outputs();
   // The outputs; once released, those the caller still holds (a ValueError naming the call when
-  // one has been freed: a blocking call's Work keeps no results of its own).
+  // one has been freed: a blocking call's Work keeps no results of its own; settle() fails the
+  // future with it).
   std::vector<at::Tensor> result_tensors() const;
 };
 
