@@ -136,6 +136,11 @@ void Task::settle(c10::ivalue::Future& f) {
 }
 
 void Task::release_outputs() {
+  // (An undefined tensor has no weak reference that could tell it from a freed one; nor has it a
+  // Python object to let go of.)
+  for (const auto& o : outputs) {
+    if (!o.defined()) return;
+  }
   weak_outputs.reserve(outputs.size());
   for (const auto& o : outputs) weak_outputs.emplace_back(o.getIntrusivePtr());
   outputs_released = true;
