@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""A loop of one torch-level call on a group of one rank, for counting the instructions a call
+costs (callgrind) or profiling it (perf): 2,000 warm-up calls, then --calls timed ones.
+
+    PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 UCX_MEM_EVENTS=no valgrind --tool=callgrind \\
+        .venv/bin/python bench/experiments/layer_loop.py --backend ucx --op allreduce --calls N
+
+Instructions per call: the difference of the totals of two runs (N = 12000 and 2000) over 10000,
+so that start-up cancels out. OPENBLAS_NUM_THREADS=1: OpenBLAS's idle thread otherwise spins a
+timing-dependent number of instructions into the count. Another build of the package is measured
+with PYTHONPATH pointing at it (pip install --no-deps --target DIR .). --backend noop is torch's
+own cost (bench/suites/coll.py). Prints the µs per call (meaningless under valgrind).
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.lib.launch import free_port  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=("ucx", "noop"), default="ucx")
+    p.add_argument("--op", choices=("allreduce", "broadcast", "barrier"), default="allreduce")
+    p.add_argument("--calls", type=int, default=20000)
+    a = p.parse_args(argv)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    import torch
+    import torch.distributed as dist
+    import commux  # noqa: F401  (registers "ucx")
+    from bench.suites.coll import register_noop
+    torch.set_num_threads(1)
+    register_noop()
+    dist.init_process_group("ucx", rank=0, world_size=1)
+    g = dist.group.WORLD if a.backend == "ucx" else dist.new_group(backend="noop")
+    t = torch.zeros(2)
+    call = {"allreduce": lambda: dist.all_reduce(t, group=g),
+            "broadcast": lambda: dist.broadcast(t, 0, group=g),
+            "barrier": lambda: dist.barrier(group=g)}[a.op]
+    for _ in range(2000):
+        call()
+    t0 = time.perf_counter()
+    for _ in range(a.calls):
+        call()
+    print(f"{a.backend} {a.op}: {(time.perf_counter() - t0) / a.calls * 1e6:.2f} us per call")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
