@@ -441,3 +441,54 @@ TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
       },
       packing_on_rank_0());
 }
+
+// isend of a small message the transport takes inside the call (send_now) returns a Request that
+// is finished: source, bytes, no error, wait() and test() at once. Behind a larger isend on the
+// same tag, still in flight (eager fragments or rendezvous), it is matched second: a receive
+// matches messages in the order they were sent, whichever path each took.
+TEST(InsideTheCall, AnIsendTheTransportTakesReturnsAFinishedRequest) {
+  run_ranks(2, [](Communicator& c) {
+    std::vector<unsigned char> go(1, 1);
+    if (c.rank() == 0) {
+      std::vector<unsigned char> a = filled(3, 8);
+      Request r = c.isend(buf(a), 1, 5);
+      CX_CHECK(r.done());
+      CX_CHECK(r.test());
+      CX_CHECK(r.error() == nullptr);
+      CX_CHECK_EQ(r.source(), 1);
+      CX_CHECK_EQ(r.bytes(), std::size_t{8});
+      r.wait();
+      r.cancel();  // too late: it was sent, and stays a success
+      CX_CHECK(r.error() == nullptr);
+      for (int round = 0; round < 20; ++round) {
+        for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
+          std::vector<unsigned char> large = filled(100 + k, kLarge[k]);
+          std::vector<unsigned char> small = filled(200 + k, 8);
+          Request rl = c.isend(buf(large), 1, 6);
+          Request rs = c.isend(buf(small), 1, 6);
+          rs.wait();
+          rl.wait();
+        }
+        c.recv({buf(go)}, 1, 7);
+      }
+    } else {
+      std::vector<unsigned char> in(8);
+      c.recv({buf(in)}, 0, 5);
+      check_filled(in, 3, 8);
+      for (int round = 0; round < 20; ++round) {
+        for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
+          std::vector<unsigned char> in_large(kLarge[k]), in_small(8);
+          Request rl = c.irecv(buf(in_large), 0, 6);
+          Request rs = c.irecv(buf(in_small), 0, 6);
+          rl.wait();
+          rs.wait();
+          CX_CHECK_EQ(rl.bytes(), kLarge[k]);
+          CX_CHECK_EQ(rs.bytes(), std::size_t{8});
+          check_filled(in_large, 100 + k, kLarge[k]);
+          check_filled(in_small, 200 + k, 8);
+        }
+        c.send({buf(go)}, 0, 7);
+      }
+    }
+  });
+}

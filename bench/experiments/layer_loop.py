@@ -9,7 +9,8 @@ Instructions per call: the difference of the totals of two runs (N = 12000 and 2
 so that start-up cancels out. OPENBLAS_NUM_THREADS=1: OpenBLAS's idle thread otherwise spins a
 timing-dependent number of instructions into the count. Another build of the package is measured
 with PYTHONPATH pointing at it (pip install --no-deps --target DIR .). --backend noop is torch's
-own cost (bench/suites/coll.py). Prints the µs per call (meaningless under valgrind).
+own cost (bench/suites/coll.py). --op p2p: an irecv and an isend of the rank to itself, both
+waited. Prints the µs per call (meaningless under valgrind).
 """
 import argparse
 import os
@@ -24,7 +25,7 @@ from bench.lib.launch import free_port  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=("ucx", "noop"), default="ucx")
-    p.add_argument("--op", choices=("allreduce", "broadcast", "barrier"), default="allreduce")
+    p.add_argument("--op", choices=("allreduce", "broadcast", "barrier", "p2p"), default="allreduce")
     p.add_argument("--calls", type=int, default=20000)
     a = p.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -37,10 +38,16 @@ def main(argv=None):
     register_noop()
     dist.init_process_group("ucx", rank=0, world_size=1)
     g = dist.group.WORLD if a.backend == "ucx" else dist.new_group(backend="noop")
-    t = torch.zeros(2)
+    t, u = torch.zeros(2), torch.zeros(2)
+
+    def p2p():  # to itself: irecv, isend, both waited
+        r = dist.irecv(u, 0, group=g)
+        dist.isend(t, 0, group=g).wait()
+        r.wait()
+
     call = {"allreduce": lambda: dist.all_reduce(t, group=g),
             "broadcast": lambda: dist.broadcast(t, 0, group=g),
-            "barrier": lambda: dist.barrier(group=g)}[a.op]
+            "barrier": lambda: dist.barrier(group=g), "p2p": p2p}[a.op]
     for _ in range(2000):
         call()
     t0 = time.perf_counter()

@@ -977,11 +977,19 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
                                                 : commux::detail::Direction::kRecv;
     StreamFence fence;
     if (device) fence = StreamFence(tensors);
-    r = fence.empty() ? ch.post(dir, op, b, tensors.size(), peer, TagKind::kUser,
-                                static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND)
-                      : ch.post_after(c10d_detail::fence_gate(std::move(fence)), dir, op, b,
-                                      tensors.size(), peer, TagKind::kUser,
-                                      static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND);
+    // A small host message the transport takes inside the call is sent: the Work comes finished
+    // (no Op, no Request to post and complete, nothing for the watcher).
+    if (!device && type == c10d::OpType::SEND && tensors.size() == 1 &&
+        ch.send_now(b[0], peer, TagKind::kUser, static_cast<std::uint32_t>(tag))) {
+      r = commux::detail::sent_request(peer, b[0].size, comm_->options().timeout);
+    } else {
+      r = fence.empty()
+              ? ch.post(dir, op, b, tensors.size(), peer, TagKind::kUser,
+                        static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND)
+              : ch.post_after(c10d_detail::fence_gate(std::move(fence)), dir, op, b, tensors.size(),
+                              peer, TagKind::kUser, static_cast<std::uint32_t>(tag),
+                              type == c10d::OpType::SEND);
+    }
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }

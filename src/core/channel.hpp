@@ -188,5 +188,8 @@ std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel
 // for a default-constructed one).
 Request make_request(std::shared_ptr<RequestState> state) noexcept;
 RequestState* state_of(const Request& request) noexcept;
+// The Request of a send that Channel::send_now took: finished and successful, `bytes` sent to
+// `peer` (what isend returns for a message that needed no post).
+Request sent_request(int peer, std::size_t bytes, std::chrono::milliseconds default_timeout);
 
 }  // namespace commux::detail

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <thread>
 
 #include "backoff.hpp"
@@ -109,6 +110,35 @@ Request make_request(std::shared_ptr<RequestState> state) noexcept {
 
 RequestState* state_of(const Request& request) noexcept { return request.state_.get(); }
 
+namespace {
+// A send that was complete when its call returned: nothing posted, so nothing to progress,
+// wait for or cancel.
+class SentState final : public RequestState {
+ public:
+  SentState(int peer, std::size_t bytes, std::chrono::milliseconds timeout) noexcept
+      : peer_(peer), bytes_(bytes), timeout_(timeout) {}
+  bool test() override { return true; }
+  void wait_for(std::chrono::milliseconds /*timeout*/) override {}
+  bool await(std::chrono::milliseconds /*timeout*/, bool /*spin*/) override { return true; }
+  void request_cancel() override {}  // (too late: it was sent, as for a send that matched)
+  bool finished() const noexcept override { return true; }
+  int posted_peer() const noexcept override { return peer_; }
+  int sender() const noexcept override { return peer_; }
+  std::size_t transferred() const noexcept override { return bytes_; }
+  std::exception_ptr failure() const noexcept override { return nullptr; }
+  std::chrono::milliseconds default_timeout() const noexcept override { return timeout_; }
+
+ private:
+  int peer_;
+  std::size_t bytes_;
+  std::chrono::milliseconds timeout_;
+};
+}  // namespace
+
+Request sent_request(int peer, std::size_t bytes, std::chrono::milliseconds default_timeout) {
+  return make_request(std::make_shared<SentState>(peer, bytes, default_timeout));
+}
+
 Channel& channel(Communicator& comm) noexcept { return *comm.channel_; }
 
 Request Channel::post_after(std::shared_ptr<Gate> gate, Direction dir, const char* name,
@@ -184,6 +214,10 @@ const RuntimeInfo& Communicator::runtime_info() const noexcept { return channel_
 
 Request Communicator::isend(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "isend");
+  // A small message the transport takes inside the call is sent: its Request comes finished.
+  if (buffers.size() == 1 && channel_->send_now(buffers[0], peer, TagKind::kUser, t)) {
+    return detail::sent_request(peer, buffers[0].size, options().timeout);
+  }
   return channel_->post(detail::Direction::kSend, "isend", buffers.data(), buffers.size(), peer,
                         TagKind::kUser, t, false);
 }
