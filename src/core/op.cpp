@@ -341,7 +341,7 @@ bool Engine::inside_call_allowed_locked(int peer, TagKind kind) const {
 }
 
 bool Engine::send_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag) {
-  if (!inside_call_fits(b, peer)) return false;
+  if (b.size > kSendNowCeiling || !inside_call_fits(b, peer)) return false;
   std::lock_guard<std::mutex> lock(worker_.mutex());
   Peer& to = peers_[peer];
   if (b.size > to.send_now_max || !inside_call_allowed_locked(peer, kind)) return false;

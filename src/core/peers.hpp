@@ -36,6 +36,11 @@ bool complete_requests_locked(ucp_worker_h worker, std::vector<void*>& requests,
 
 struct ErrorTarget;  // below
 
+// The largest message Engine::send_now ever tries (every Peer::send_now_max starts there and is
+// only lowered): a larger one is declined before the worker's lock is taken, so that its post does
+// not take the lock twice.
+inline constexpr std::size_t kSendNowCeiling = 4096;
+
 struct Peer {
   ucp_ep_h ep = nullptr;         // [mu] nullptr before connecting and once closed
   ucs_status_t status = UCS_OK;  // [mu] UCS_OK or why the peer failed
@@ -46,7 +51,7 @@ struct Peer {
   // [mu] The largest message Engine::send_now still tries to this peer: lowered to below a size
   // UCX would not send inside the call (its short protocol ends there, or the transport was full
   // at the time), never below kSendNowFloor bytes, which it always tries.
-  std::size_t send_now_max = 4096;
+  std::size_t send_now_max = kSendNowCeiling;
   // The endpoint error callback's argument: nullptr until the endpoint is made.
   ErrorTarget* target = nullptr;
 };
