@@ -443,7 +443,8 @@ TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
 }
 
 // isend of a small message the transport takes inside the call (send_now) returns a Request that
-// is finished: source, bytes, no error, wait() and test() at once. Behind a larger isend on the
+// is finished: source, bytes, no error, wait() and test() at once. (So did a posted 8-byte isend,
+// which UCX completes at its post: what this guards is the order.) Behind a larger isend on the
 // same tag, still in flight (eager fragments or rendezvous), it is matched second: a receive
 // matches messages in the order they were sent, whichever path each took.
 TEST(InsideTheCall, AnIsendTheTransportTakesReturnsAFinishedRequest) {
