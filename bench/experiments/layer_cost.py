@@ -12,14 +12,13 @@ swings by microseconds with the VM's placement). The calls are blocking all_redu
 and all_reduce(async_op=True).wait().
 """
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.lib.launch import free_port  # noqa: E402
+from bench.lib.launch import one_rank_groups  # noqa: E402
 
 
 def main(argv=None):
@@ -27,16 +26,9 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=20000, help="timed calls per round and kind")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    groups = one_rank_groups()
     import torch
     import torch.distributed as dist
-    import commux  # noqa: F401  (registers "ucx")
-    from bench.suites.coll import register_noop
-    torch.set_num_threads(1)
-    register_noop()
-    dist.init_process_group("ucx", rank=0, world_size=1)
-    groups = {"ucx": dist.group.WORLD, "noop": dist.new_group(backend="noop")}
     t = torch.zeros(2)
     outs, flat = [torch.empty(2)], torch.empty(2)
     kinds = {

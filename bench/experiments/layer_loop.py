@@ -13,13 +13,12 @@ own cost (bench/suites/coll.py). --op p2p: an irecv and an isend of the rank to 
 waited. Prints the µs per call (meaningless under valgrind).
 """
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.lib.launch import free_port  # noqa: E402
+from bench.lib.launch import one_rank_groups  # noqa: E402
 
 
 def main(argv=None):
@@ -28,16 +27,9 @@ def main(argv=None):
     p.add_argument("--op", choices=("allreduce", "broadcast", "barrier", "p2p"), default="allreduce")
     p.add_argument("--calls", type=int, default=20000)
     a = p.parse_args(argv)
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    g = one_rank_groups()[a.backend]
     import torch
     import torch.distributed as dist
-    import commux  # noqa: F401  (registers "ucx")
-    from bench.suites.coll import register_noop
-    torch.set_num_threads(1)
-    register_noop()
-    dist.init_process_group("ucx", rank=0, world_size=1)
-    g = dist.group.WORLD if a.backend == "ucx" else dist.new_group(backend="noop")
     t, u = torch.zeros(2), torch.zeros(2)
 
     def p2p():  # to itself: irecv, isend, both waited

@@ -27,6 +27,22 @@ def free_port():
         return s.getsockname()[1]
 
 
+def one_rank_groups():
+    """torch.distributed in this process alone, with one thread: a "ucx" group of one rank (the
+    default group) and one of the no-op reference backend (torch's own cost per call), for what a
+    call costs with no peer or transport in the way. Returns {"ucx": group, "noop": group}."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    import torch
+    import torch.distributed as dist
+    import commux  # noqa: F401  (registers "ucx")
+    from bench.suites.coll import register_noop
+    torch.set_num_threads(1)
+    register_noop()
+    dist.init_process_group("ucx", rank=0, world_size=1)
+    return {"ucx": dist.group.WORLD, "noop": dist.new_group(backend="noop")}
+
+
 def listening(port):
     """True when something listens on TCP `port` (read from /proc, without connecting)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
