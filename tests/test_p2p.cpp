@@ -339,7 +339,7 @@ TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
       std::vector<unsigned char> in(8);
       std::size_t got = 0;
       Request posted;
-      CX_CHECK(ch.recv_now(buf(in), 0, TagKind::kUser, 7, &got, &posted));
+      CX_CHECK(ch.recv_now("recv", buf(in), 0, TagKind::kUser, 7, &got, &posted));
       CX_CHECK(!posted.valid());
       CX_CHECK_EQ(got, std::size_t{8});
       check_filled(in, 7, 8);
@@ -349,7 +349,7 @@ TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
       // Not there yet: posted, and it completes like any receive.
       std::vector<unsigned char> in9(32);
       Request r;
-      CX_CHECK(!ch.recv_now(buf(in9), 0, TagKind::kUser, 9, &got, &r));
+      CX_CHECK(!ch.recv_now("recv", buf(in9), 0, TagKind::kUser, 9, &got, &r));
       CX_CHECK(r.valid());
       c.send({buf(go)}, 0, 1);
       r.wait();
@@ -365,7 +365,7 @@ TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
         await_arrival(c, 0, t);
         std::vector<unsigned char> in_large(n);
         Request rl;
-        if (ch.recv_now(buf(in_large), 0, TagKind::kUser, t, &got, &rl)) {
+        if (ch.recv_now("recv", buf(in_large), 0, TagKind::kUser, t, &got, &rl)) {
           CX_CHECK(!rl.valid());
           CX_CHECK_EQ(got, n);
         } else {
@@ -391,12 +391,12 @@ TEST(InsideTheCall, AReceivePostedThereIsCancelledAndFailedAsAnyOther) {
     std::vector<unsigned char> in(8);
     std::size_t got = 0;
     Request r;
-    CX_CHECK(!ch.recv_now(buf(in), 0, TagKind::kUser, 21, &got, &r));
+    CX_CHECK(!ch.recv_now("recv", buf(in), 0, TagKind::kUser, 21, &got, &r));
     CX_CHECK(r.valid() && !r.done());
     r.cancel();
     CX_CHECK_HAS(expect_error(Errc::kCanceled, [&] { r.wait(std::chrono::seconds(5)); }), "recv");
     Request s;
-    CX_CHECK(!ch.recv_now(buf(in), 0, TagKind::kUser, 22, &got, &s));
+    CX_CHECK(!ch.recv_now("recv", buf(in), 0, TagKind::kUser, 22, &got, &s));
     CX_CHECK(s.valid());
     c.send({buf(done)}, 0, 23);
     c.shutdown();
@@ -424,7 +424,7 @@ TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
           std::size_t got = 0;
           await_arrival(c, 0, 31);
           Request r;
-          CX_CHECK(!ch.recv_now(buf(in), 0, TagKind::kUser, 31, &got, &r));
+          CX_CHECK(!ch.recv_now("recv", buf(in), 0, TagKind::kUser, 31, &got, &r));
           CX_CHECK(r.valid() && r.done());
           const std::string t = expect_error(Errc::kTruncated, [&] { r.wait(); });
           CX_CHECK_HAS(t, "too long");
@@ -432,7 +432,7 @@ TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
           CX_CHECK_HAS(t, "the message is 16 bytes but the posted buffer holds 8 bytes");
           await_arrival(c, 0, 32);
           Request p;
-          CX_CHECK(!ch.recv_now(buf(in16), 0, TagKind::kUser, 32, &got, &p));
+          CX_CHECK(!ch.recv_now("recv", buf(in16), 0, TagKind::kUser, 32, &got, &p));
           CX_CHECK(p.valid() && p.done());
           CX_CHECK_HAS(expect_error(Errc::kWireMismatch, [&] { p.wait(); }), "COMMUX_COALESCE");
           std::vector<unsigned char> done(1, 1);
@@ -440,6 +440,82 @@ TEST(InsideTheCall, AMessageThatDoesNotFitFailsLoudly) {
         }
       },
       packing_on_rank_0());
+}
+
+// irecv and recv from a given peer take a message that is there already inside the call
+// (recv_now): irecv returns a finished Request (source, bytes, no error), and recv returns
+// without a post. Same-tag messages are still matched in the order they were sent: two small
+// ones, and every size from eager fragments to a 1 MiB rendezvous ahead of a small one, each
+// received only once it (and the marker behind it) has arrived. A message too long fails the
+// irecv, named so, as a posted one would.
+TEST(InsideTheCall, AReceiveOfAMessageThereIsTakenInsideTheCall) {
+  run_ranks(2, [](Communicator& c) {
+    std::vector<unsigned char> go(1, 1);
+    if (c.rank() == 0) {
+      std::vector<unsigned char> a = filled(3, 8), b = filled(4, 8), d = filled(5, 24);
+      c.send({buf(a)}, 1, 5);
+      c.send({buf(b)}, 1, 5);
+      c.send({buf(d)}, 1, 6);
+      c.send({buf(go)}, 1, 9);  // a marker: the messages before it have arrived with it
+      for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
+        std::vector<unsigned char> large = filled(100 + k, kLarge[k]);
+        std::vector<unsigned char> small = filled(200 + k, 8);
+        Request rl = c.isend(buf(large), 1, 7);
+        Request rs = c.isend(buf(small), 1, 7);
+        c.send({buf(go)}, 1, 9);
+        rs.wait();
+        rl.wait();
+      }
+      std::vector<unsigned char> too_long = filled(6, 16);
+      c.send({buf(too_long)}, 1, 8);
+      c.send({buf(go)}, 1, 9);
+      c.recv({buf(go)}, 1, 10);
+    } else {
+      await_arrival(c, 0, 9);
+      c.recv({buf(go)}, 0, 9);
+      std::vector<unsigned char> in_a(8), in_b(8), in_d(32);
+      Request ra = c.irecv(buf(in_a), 0, 5);
+      CX_CHECK(ra.done());
+      CX_CHECK(ra.test());
+      CX_CHECK(ra.error() == nullptr);
+      CX_CHECK_EQ(ra.source(), 0);
+      CX_CHECK_EQ(ra.bytes(), std::size_t{8});
+      ra.wait();
+      ra.cancel();  // too late: it was received, and stays a success
+      CX_CHECK(ra.error() == nullptr);
+      check_filled(in_a, 3, 8);
+      Request rb = c.recv({buf(in_b)}, 0, 5);
+      CX_CHECK_EQ(rb.bytes(), std::size_t{8});
+      CX_CHECK_EQ(rb.source(), 0);
+      check_filled(in_b, 4, 8);
+      Request rd = c.irecv(buf(in_d), 0, 6);  // shorter than the buffer: its length is told
+      CX_CHECK(rd.done());
+      CX_CHECK_EQ(rd.bytes(), std::size_t{24});
+      in_d.resize(24);
+      check_filled(in_d, 5, 24);
+      for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
+        await_arrival(c, 0, 9);
+        std::vector<unsigned char> in_large(kLarge[k]), in_small(8);
+        Request rl = c.irecv(buf(in_large), 0, 7);
+        Request rs = c.irecv(buf(in_small), 0, 7);
+        rl.wait();
+        rs.wait();
+        CX_CHECK_EQ(rl.bytes(), kLarge[k]);
+        CX_CHECK_EQ(rs.bytes(), std::size_t{8});
+        check_filled(in_large, 100 + k, kLarge[k]);
+        check_filled(in_small, 200 + k, 8);
+        c.recv({buf(go)}, 0, 9);
+      }
+      await_arrival(c, 0, 9);
+      std::vector<unsigned char> in8(8);
+      Request rt = c.irecv(buf(in8), 0, 8);
+      const std::string t = expect_error(Errc::kTruncated, [&] { rt.wait(); });
+      CX_CHECK_HAS(t, "irecv");
+      CX_CHECK_HAS(t, "the message is 16 bytes but the posted buffer holds 8 bytes");
+      c.recv({buf(go)}, 0, 9);
+      c.send({buf(go)}, 0, 10);
+    }
+  });
 }
 
 // isend of a small message the transport takes inside the call (send_now) returns a Request that

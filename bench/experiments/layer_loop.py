@@ -10,7 +10,8 @@ so that start-up cancels out. OPENBLAS_NUM_THREADS=1: OpenBLAS's idle thread oth
 timing-dependent number of instructions into the count. Another build of the package is measured
 with PYTHONPATH pointing at it (pip install --no-deps --target DIR .). --backend noop is torch's
 own cost (bench/suites/coll.py). --op p2p: an irecv and an isend of the rank to itself, both
-waited. Prints the µs per call (meaningless under valgrind).
+waited; --op p2p-sent-first: the isend first, so that the irecv finds its message there (as in a
+halo exchange whose neighbours sent first). Prints the µs per call (meaningless under valgrind).
 """
 import argparse
 import sys
@@ -24,7 +25,8 @@ from bench.lib.launch import one_rank_groups  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=("ucx", "noop"), default="ucx")
-    p.add_argument("--op", choices=("allreduce", "broadcast", "barrier", "p2p"), default="allreduce")
+    p.add_argument("--op", choices=("allreduce", "broadcast", "barrier", "p2p", "p2p-sent-first"),
+                    default="allreduce")
     p.add_argument("--calls", type=int, default=20000)
     a = p.parse_args(argv)
     g = one_rank_groups()[a.backend]
@@ -37,9 +39,15 @@ def main(argv=None):
         dist.isend(t, 0, group=g).wait()
         r.wait()
 
+    def p2p_sent_first():  # to itself: isend, then irecv of the message already there
+        s = dist.isend(t, 0, group=g)
+        dist.irecv(u, 0, group=g).wait()
+        s.wait()
+
     call = {"allreduce": lambda: dist.all_reduce(t, group=g),
             "broadcast": lambda: dist.broadcast(t, 0, group=g),
-            "barrier": lambda: dist.barrier(group=g), "p2p": p2p}[a.op]
+            "barrier": lambda: dist.barrier(group=g), "p2p": p2p,
+            "p2p-sent-first": p2p_sent_first}[a.op]
     for _ in range(2000):
         call()
     t0 = time.perf_counter()

@@ -360,3 +360,50 @@ def test_a_receive_of_the_wrong_size_fails(ranks, ws):
     assert got["two tensors: is_success"] is False
     assert "48 bytes" in got["two tensors: future"]["msg"], got["two tensors: future"]
     assert got["after"], "a receive of the right size after the failures got the wrong bytes"
+
+
+# ---------------------------------------------------------------------------------------------
+def _messages_there_first(ctx):
+    """Rank 1 sends, then both ranks pass a barrier: its message follows rank 1's on the same
+    connection, so rank 0's receives find theirs there already and take them inside the call."""
+    from helpers import expect_raises
+    out = {}
+    if ctx.rank == 1:
+        for tag, n, first in ((41, 8, 0), (42, 8, 100), (42, 8, 200), (43, 4, 0)):
+            dist.send(torch.arange(first, first + n, dtype=torch.float32), dst=0, tag=tag)
+        dist.barrier()
+        dist.barrier()
+        return out
+    dist.barrier()
+    t = torch.full((8,), -1.0)
+    w = dist.irecv(t, src=1, tag=41)
+    out["completed at return"] = w.is_completed()
+    w.wait()
+    out["source"] = w._source_rank()
+    out["data"] = torch.equal(t, torch.arange(8, dtype=torch.float32))
+    a, b = torch.full((8,), -1.0), torch.full((8,), -1.0)
+    wa, wb = dist.irecv(a, src=1, tag=42), dist.irecv(b, src=1, tag=42)
+    wb.wait()
+    wa.wait()
+    out["same tag in order"] = (torch.equal(a, torch.arange(100, 108, dtype=torch.float32))
+                                and torch.equal(b, torch.arange(200, 208, dtype=torch.float32)))
+    short = dist.irecv(torch.full((8,), -1.0), src=1, tag=43)
+    out["short: is_completed"] = short.is_completed()
+    out["short"] = expect_raises(short.wait)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.ucx_semantics  # when a receive completes is the backend's; gloo's may complete later
+@worlds(2)
+def test_a_receive_of_a_message_there_completes_in_the_call(ranks, ws):
+    from helpers import mentions
+    got = ranks.run(_messages_there_first)[0]
+    assert got["completed at return"], "irecv of a message that was there returned an unfinished Work"
+    assert got["source"] == 1
+    assert got["data"], "irecv of a message that was there got the wrong bytes"
+    assert got["same tag in order"], "two same-tag messages taken inside the call were swapped"
+    assert got["short: is_completed"]
+    r = got["short"]
+    assert r["raised"], "a 16-byte message into a 32-byte tensor, there already, raised nothing"
+    assert mentions(r["msg"], "rank 1", "16 bytes", "32 bytes", "tag 43", "group"), r["msg"]

@@ -977,12 +977,19 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
                                                 : commux::detail::Direction::kRecv;
     StreamFence fence;
     if (device) fence = StreamFence(tensors);
-    // A small host message the transport takes inside the call is sent: the Work comes finished
-    // (no Op, no Request to post and complete, nothing for the watcher).
+    // A small host message the transport takes inside the call is sent, and one from a given
+    // peer that is there already is received: the Work comes finished (no Op, no Request to post
+    // and complete, nothing for the watcher). A receive the transport cannot finish so is posted
+    // by recv_now itself (`r` then holds it).
+    std::size_t got = 0;
     if (!device && type == c10d::OpType::SEND && tensors.size() == 1 &&
         ch.send_now(b[0], peer, TagKind::kUser, static_cast<std::uint32_t>(tag))) {
-      r = commux::detail::sent_request(peer, b[0].size, comm_->options().timeout);
-    } else {
+      r = commux::detail::done_request(peer, b[0].size, comm_->options().timeout);
+    } else if (!device && type == c10d::OpType::RECV && tensors.size() == 1 &&
+               ch.recv_now(op, b[0], peer, TagKind::kUser, static_cast<std::uint32_t>(tag), &got,
+                           &r)) {
+      r = commux::detail::done_request(peer, got, comm_->options().timeout);
+    } else if (!r.valid()) {
       r = fence.empty()
               ? ch.post(dir, op, b, tensors.size(), peer, TagKind::kUser,
                         static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND)

@@ -225,7 +225,7 @@ std::size_t Exchange::recv(void* data, std::size_t bytes, int peer, MemoryType m
     // A message that is there already is received inside the call: no request to wait for.
     std::size_t got = 0;
     Request posted;
-    if (chan_->recv_now(b, peer, TagKind::kInternal, wire_, &got, &posted)) {
+    if (chan_->recv_now("recv", b, peer, TagKind::kInternal, wire_, &got, &posted)) {
       return done_inside_call(got);
     }
     if (posted.valid()) {

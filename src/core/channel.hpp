@@ -156,11 +156,12 @@ class Channel {
   // Receives one buffer from `peer` (not kAnySource) inside this call if its message is there
   // already: true when it has been received, with `*bytes` its length. Otherwise false, and
   // either `*posted` holds the receive, posted (it completes, or has failed, as post()'s would:
-  // a message too long, say, is its error), or `*posted` stays empty: nothing was posted, and the
-  // caller posts it with post(), which reports what made this decline. It never overtakes a held
-  // post. The default posts nothing.
-  virtual bool recv_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag,
-                        std::size_t* bytes, Request* posted) {
+  // a message too long, say, is its error; `name` names it as post()'s `name` does), or
+  // `*posted` stays empty: nothing was posted, and the caller posts it with post(), which reports
+  // what made this decline. It never overtakes a held post. The default posts nothing.
+  virtual bool recv_now(const char* name, const Buffer& buffer, int peer, TagKind kind,
+                        std::uint32_t tag, std::size_t* bytes, Request* posted) {
+    (void)name;
     (void)buffer;
     (void)peer;
     (void)kind;
@@ -188,8 +189,9 @@ std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel
 // for a default-constructed one).
 Request make_request(std::shared_ptr<RequestState> state) noexcept;
 RequestState* state_of(const Request& request) noexcept;
-// The Request of a send that Channel::send_now took: finished and successful, `bytes` sent to
-// `peer` (what isend returns for a message that needed no post).
-Request sent_request(int peer, std::size_t bytes, std::chrono::milliseconds default_timeout);
+// The Request of a message that Channel::send_now sent or recv_now received: finished and
+// successful, `bytes` sent to or received from `peer` (what isend and irecv return for a message
+// that needed no post).
+Request done_request(int peer, std::size_t bytes, std::chrono::milliseconds default_timeout);
 
 }  // namespace commux::detail

@@ -111,11 +111,11 @@ Request make_request(std::shared_ptr<RequestState> state) noexcept {
 RequestState* state_of(const Request& request) noexcept { return request.state_.get(); }
 
 namespace {
-// A send that was complete when its call returned: nothing posted, so nothing to progress,
-// wait for or cancel.
-class SentState final : public RequestState {
+// A message sent or received inside its call (Channel::send_now, recv_now): nothing posted, so
+// nothing to progress, wait for or cancel.
+class DoneState final : public RequestState {
  public:
-  SentState(int peer, std::size_t bytes, std::chrono::milliseconds timeout) noexcept
+  DoneState(int peer, std::size_t bytes, std::chrono::milliseconds timeout) noexcept
       : peer_(peer), bytes_(bytes), timeout_(timeout) {}
   bool test() override { return true; }
   void wait_for(std::chrono::milliseconds /*timeout*/) override {}
@@ -135,8 +135,8 @@ class SentState final : public RequestState {
 };
 }  // namespace
 
-Request sent_request(int peer, std::size_t bytes, std::chrono::milliseconds default_timeout) {
-  return make_request(std::make_shared<SentState>(peer, bytes, default_timeout));
+Request done_request(int peer, std::size_t bytes, std::chrono::milliseconds default_timeout) {
+  return make_request(std::make_shared<DoneState>(peer, bytes, default_timeout));
 }
 
 Channel& channel(Communicator& comm) noexcept { return *comm.channel_; }
@@ -216,7 +216,7 @@ Request Communicator::isend(const std::vector<Buffer>& buffers, int peer, std::i
   const std::uint32_t t = check_user_tag(tag, "isend");
   // A small message the transport takes inside the call is sent: its Request comes finished.
   if (buffers.size() == 1 && channel_->send_now(buffers[0], peer, TagKind::kUser, t)) {
-    return detail::sent_request(peer, buffers[0].size, options().timeout);
+    return detail::done_request(peer, buffers[0].size, options().timeout);
   }
   return channel_->post(detail::Direction::kSend, "isend", buffers.data(), buffers.size(), peer,
                         TagKind::kUser, t, false);
@@ -224,6 +224,15 @@ Request Communicator::isend(const std::vector<Buffer>& buffers, int peer, std::i
 
 Request Communicator::irecv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "irecv");
+  // A message that is there already is received inside the call: its Request comes finished.
+  if (buffers.size() == 1) {
+    std::size_t got = 0;
+    Request posted;
+    if (channel_->recv_now("irecv", buffers[0], peer, TagKind::kUser, t, &got, &posted)) {
+      return detail::done_request(peer, got, options().timeout);
+    }
+    if (posted.valid()) return posted;
+  }
   return channel_->post(detail::Direction::kRecv, "irecv", buffers.data(), buffers.size(), peer,
                         TagKind::kUser, t, false);
 }
@@ -265,8 +274,17 @@ void Communicator::send(const std::vector<Buffer>& buffers, int peer, std::int64
 
 Request Communicator::recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "recv");
-  Request r = channel_->post(detail::Direction::kRecv, "recv", buffers.data(), buffers.size(), peer,
-                             TagKind::kUser, t, false);
+  Request r;
+  std::size_t got = 0;
+  // A message that is there already is received inside the call: nothing to post or wait for.
+  if (buffers.size() == 1 &&
+      channel_->recv_now("recv", buffers[0], peer, TagKind::kUser, t, &got, &r)) {
+    return detail::done_request(peer, got, options().timeout);
+  }
+  if (!r.valid()) {
+    r = channel_->post(detail::Direction::kRecv, "recv", buffers.data(), buffers.size(), peer,
+                       TagKind::kUser, t, false);
+  }
   wait_or_cancel(r);
   return r;
 }

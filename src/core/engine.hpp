@@ -58,8 +58,8 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
                      const Buffer* buffers, std::size_t count, int peer, TagKind kind,
                      std::uint32_t tag, bool fast_completion) override;
   bool send_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag) override;
-  bool recv_now(const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag, std::size_t* bytes,
-                Request* posted) override;
+  bool recv_now(const char* name, const Buffer& buffer, int peer, TagKind kind, std::uint32_t tag,
+                std::size_t* bytes, Request* posted) override;
   bool probe(TagKind kind, int sender, std::uint32_t value, std::uint32_t mask,
              Unexpected* out) override;
   std::size_t discard(TagKind kind, std::uint32_t value, std::uint32_t mask) override;

@@ -391,7 +391,7 @@ bool Engine::send_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag
 // receive, and its callback (adopted_recv_cb, user data the Engine, as the Op did not exist at
 // the call) finds the Op's Part by its request. A message that does not fit (too long, packed
 // differently) becomes a finished Op, with the error, length included, that post() would give.
-bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag,
+bool Engine::recv_now(const char* name, const Buffer& b, int peer, TagKind kind, std::uint32_t tag,
                       std::size_t* bytes, Request* posted) {
   if (!inside_call_fits(b, peer)) return false;
   std::lock_guard<std::mutex> lock(worker_.mutex());
@@ -402,7 +402,7 @@ bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag
       ucp_tag_probe_nb(worker_.handle(), m.tag.bits, m.mask.bits, 1, &info);
   std::shared_ptr<Op> op = nullptr;
   if (msg == nullptr) {  // not there yet: posted now, in this call, as post() would
-    op = make_op(Op::Kind::kRecv, "recv", &b, 1, peer, kind, tag);
+    op = make_op(Op::Kind::kRecv, name, &b, 1, peer, kind, tag);
     enqueue_locked(op, false, nullptr);
     *posted = make_request(std::move(op));
     return false;
@@ -427,7 +427,7 @@ bool Engine::recv_now(const Buffer& b, int peer, TagKind kind, std::uint32_t tag
     *bytes = info.length;
     return true;
   }
-  op = make_op(Op::Kind::kRecv, "recv", &b, 1, peer, kind, tag);
+  op = make_op(Op::Kind::kRecv, name, &b, 1, peer, kind, tag);
   worker_.register_locked(op);
   op->remaining = 1;
   if (!finished) {
