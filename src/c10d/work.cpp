@@ -267,7 +267,9 @@ P2PWork::P2PWork(int rank, c10d::OpType type, Request request, std::vector<at::T
       tag_(tag),
       default_timeout_(default_timeout),
       cancel_bound_(cancel_bound),
-      posted_(Clock::now()) {
+      // (Only a future of an unfinished request times out from it: one finished in its call, a
+      // small send or a message that was there, reads no clock.)
+      posted_(request_.done() ? Clock::time_point{} : Clock::now()) {
   if (exact_where_) {
     for (const auto& t : tensors_) exact_bytes_ += t.numel() * t.element_size();
   }
@@ -432,20 +434,23 @@ void P2PWork::wait_request(std::chrono::milliseconds limit) {
 }
 
 bool P2PWork::wait(std::chrono::milliseconds timeout) {
-  try {
-    wait_request(timeout.count() > 0 ? timeout : default_timeout_);
-  } catch (const Error& e) {
-    if (e.code() == Errc::kTimeout && !request_.done()) {
-      cancel_after_timeout(e);  // returns when it matched while being cancelled
-    } else {
-      release();
+  // (A finished request has nothing to wait for: its failure, if any, is the outcome below.)
+  if (!request_.done()) {
+    try {
+      wait_request(timeout.count() > 0 ? timeout : default_timeout_);
+    } catch (const Error& e) {
+      if (e.code() == Errc::kTimeout && !request_.done()) {
+        cancel_after_timeout(e);  // returns when it matched while being cancelled
+      } else {
+        release();
+        throw_torch_error(std::current_exception());
+      }
+    } catch (...) {
       throw_torch_error(std::current_exception());
     }
-  } catch (...) {
-    throw_torch_error(std::current_exception());
   }
   release();
-  if (auto e = outcome()) throw_torch_error(e);  // an exact receive's short message
+  if (auto e = outcome()) throw_torch_error(e);  // the request's failure, or a short message
   return true;
 }
 
