@@ -302,6 +302,22 @@ void await_arrival(Communicator& c, int peer, std::uint32_t tag) {
 // Sizes that UCX sends eagerly in fragments or by rendezvous.
 const std::vector<std::size_t> kLarge = {8 << 10, 16 << 10, 40 << 10, 80 << 10, 256 << 10, 1 << 20};
 
+namespace {
+// Two messages on one tag, kLarge[k] bytes and then 8 (each filled from its own seed), received
+// by two irecvs posted before either is waited: each must get its own, the large one first.
+void recv_large_then_small(Communicator& c, std::uint32_t k, std::int64_t tag) {
+  std::vector<unsigned char> in_large(kLarge[k]), in_small(8);
+  Request rl = c.irecv(buf(in_large), 0, tag);
+  Request rs = c.irecv(buf(in_small), 0, tag);
+  rl.wait();
+  rs.wait();
+  CX_CHECK_EQ(rl.bytes(), kLarge[k]);
+  CX_CHECK_EQ(rs.bytes(), std::size_t{8});
+  check_filled(in_large, 100 + k, kLarge[k]);
+  check_filled(in_small, 200 + k, 8);
+}
+}  // namespace
+
 TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
   run_ranks(2, [](Communicator& c) {
     detail::Channel& ch = detail::channel(c);
@@ -495,15 +511,7 @@ TEST(InsideTheCall, AReceiveOfAMessageThereIsTakenInsideTheCall) {
       check_filled(in_d, 5, 24);
       for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
         await_arrival(c, 0, 9);
-        std::vector<unsigned char> in_large(kLarge[k]), in_small(8);
-        Request rl = c.irecv(buf(in_large), 0, 7);
-        Request rs = c.irecv(buf(in_small), 0, 7);
-        rl.wait();
-        rs.wait();
-        CX_CHECK_EQ(rl.bytes(), kLarge[k]);
-        CX_CHECK_EQ(rs.bytes(), std::size_t{8});
-        check_filled(in_large, 100 + k, kLarge[k]);
-        check_filled(in_small, 200 + k, 8);
+        recv_large_then_small(c, k, 7);
         c.recv({buf(go)}, 0, 9);
       }
       await_arrival(c, 0, 9);
@@ -553,17 +561,7 @@ TEST(InsideTheCall, AnIsendTheTransportTakesReturnsAFinishedRequest) {
       c.recv({buf(in)}, 0, 5);
       check_filled(in, 3, 8);
       for (int round = 0; round < 20; ++round) {
-        for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
-          std::vector<unsigned char> in_large(kLarge[k]), in_small(8);
-          Request rl = c.irecv(buf(in_large), 0, 6);
-          Request rs = c.irecv(buf(in_small), 0, 6);
-          rl.wait();
-          rs.wait();
-          CX_CHECK_EQ(rl.bytes(), kLarge[k]);
-          CX_CHECK_EQ(rs.bytes(), std::size_t{8});
-          check_filled(in_large, 100 + k, kLarge[k]);
-          check_filled(in_small, 200 + k, 8);
-        }
+        for (std::uint32_t k = 0; k < kLarge.size(); ++k) recv_large_then_small(c, k, 6);
         c.send({buf(go)}, 0, 7);
       }
     }
