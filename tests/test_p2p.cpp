@@ -316,6 +316,19 @@ void recv_large_then_small(Communicator& c, std::uint32_t k, std::int64_t tag) {
   check_filled(in_large, 100 + k, kLarge[k]);
   check_filled(in_small, 200 + k, 8);
 }
+
+// A Request whose message moved inside its call: finished at once, a success from `source` of
+// `bytes`, and still one after wait() and a cancel() that comes too late.
+void check_done_inside_call(Request& r, int source, std::size_t bytes) {
+  CX_CHECK(r.done());
+  CX_CHECK(r.test());
+  CX_CHECK(r.error() == nullptr);
+  CX_CHECK_EQ(r.source(), source);
+  CX_CHECK_EQ(r.bytes(), bytes);
+  r.wait();
+  r.cancel();
+  CX_CHECK(r.error() == nullptr);
+}
 }  // namespace
 
 TEST(InsideTheCall, SmallMessagesAreSentAndReceivedWhole) {
@@ -491,22 +504,14 @@ TEST(InsideTheCall, AReceiveOfAMessageThereIsTakenInsideTheCall) {
       c.recv({buf(go)}, 0, 9);
       std::vector<unsigned char> in_a(8), in_b(8), in_d(32);
       Request ra = c.irecv(buf(in_a), 0, 5);
-      CX_CHECK(ra.done());
-      CX_CHECK(ra.test());
-      CX_CHECK(ra.error() == nullptr);
-      CX_CHECK_EQ(ra.source(), 0);
-      CX_CHECK_EQ(ra.bytes(), std::size_t{8});
-      ra.wait();
-      ra.cancel();  // too late: it was received, and stays a success
-      CX_CHECK(ra.error() == nullptr);
+      check_done_inside_call(ra, 0, 8);
       check_filled(in_a, 3, 8);
       Request rb = c.recv({buf(in_b)}, 0, 5);
       CX_CHECK_EQ(rb.bytes(), std::size_t{8});
       CX_CHECK_EQ(rb.source(), 0);
       check_filled(in_b, 4, 8);
       Request rd = c.irecv(buf(in_d), 0, 6);  // shorter than the buffer: its length is told
-      CX_CHECK(rd.done());
-      CX_CHECK_EQ(rd.bytes(), std::size_t{24});
+      check_done_inside_call(rd, 0, 24);
       in_d.resize(24);
       check_filled(in_d, 5, 24);
       for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
@@ -537,14 +542,7 @@ TEST(InsideTheCall, AnIsendTheTransportTakesReturnsAFinishedRequest) {
     if (c.rank() == 0) {
       std::vector<unsigned char> a = filled(3, 8);
       Request r = c.isend(buf(a), 1, 5);
-      CX_CHECK(r.done());
-      CX_CHECK(r.test());
-      CX_CHECK(r.error() == nullptr);
-      CX_CHECK_EQ(r.source(), 1);
-      CX_CHECK_EQ(r.bytes(), std::size_t{8});
-      r.wait();
-      r.cancel();  // too late: it was sent, and stays a success
-      CX_CHECK(r.error() == nullptr);
+      check_done_inside_call(r, 1, 8);
       for (int round = 0; round < 20; ++round) {
         for (std::uint32_t k = 0; k < kLarge.size(); ++k) {
           std::vector<unsigned char> large = filled(100 + k, kLarge[k]);

@@ -979,24 +979,12 @@ c10::intrusive_ptr<P2PWork> ProcessGroupUCX::Impl::post_now(c10d::OpType type,
     if (device) fence = StreamFence(tensors);
     // A small host message the transport takes inside the call is sent, and one from a given
     // peer that is there already is received: the Work comes finished (no Op, no Request to post
-    // and complete, nothing for the watcher). A receive the transport cannot finish so is posted
-    // by recv_now itself (`r` then holds it).
-    std::size_t got = 0;
-    if (!device && type == c10d::OpType::SEND && tensors.size() == 1 &&
-        ch.send_now(b[0], peer, TagKind::kUser, static_cast<std::uint32_t>(tag))) {
-      r = commux::detail::done_request(peer, b[0].size, comm_->options().timeout);
-    } else if (!device && type == c10d::OpType::RECV && tensors.size() == 1 &&
-               ch.recv_now(op, b[0], peer, TagKind::kUser, static_cast<std::uint32_t>(tag), &got,
-                           &r)) {
-      r = commux::detail::done_request(peer, got, comm_->options().timeout);
-    } else if (!r.valid()) {
-      r = fence.empty()
-              ? ch.post(dir, op, b, tensors.size(), peer, TagKind::kUser,
-                        static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND)
-              : ch.post_after(c10d_detail::fence_gate(std::move(fence)), dir, op, b, tensors.size(),
-                              peer, TagKind::kUser, static_cast<std::uint32_t>(tag),
-                              type == c10d::OpType::SEND);
-    }
+    // and complete, nothing for the watcher). Device memory is always posted.
+    r = fence.empty() ? ch.move_or_post(dir, op, b, tensors.size(), peer, TagKind::kUser,
+                                        static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND)
+                      : ch.post_after(c10d_detail::fence_gate(std::move(fence)), dir, op, b,
+                                      tensors.size(), peer, TagKind::kUser,
+                                      static_cast<std::uint32_t>(tag), type == c10d::OpType::SEND);
   } catch (...) {
     c10d_detail::throw_torch_error(std::current_exception());
   }

@@ -171,6 +171,13 @@ class Channel {
     return false;
   }
 
+  // post(), but a single buffer moves inside the call where the transport can (send_now; for a
+  // receive from a given peer, recv_now): the Request then comes finished (done_request), with
+  // no Op behind it. What they decline is posted. (Exchange keeps its own form: a collective's
+  // messages need no Request at all.)
+  Request move_or_post(Direction dir, const char* name, const Buffer* buffers, std::size_t count,
+                       int peer, TagKind kind, std::uint32_t tag, bool fast_completion);
+
   Request post_send(const Buffer* buffers, std::size_t count, int peer, TagKind kind,
                     std::uint32_t tag, bool fast_completion = false) {
     return post(Direction::kSend, "send", buffers, count, peer, kind, tag, fast_completion);

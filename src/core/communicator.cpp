@@ -159,6 +159,23 @@ Request Channel::post_after(std::shared_ptr<Gate> gate, Direction dir, const cha
   return post(dir, name, buffers, count, peer, kind, tag, fast_completion);
 }
 
+Request Channel::move_or_post(Direction dir, const char* name, const Buffer* buffers,
+                              std::size_t count, int peer, TagKind kind, std::uint32_t tag,
+                              bool fast_completion) {
+  if (count == 1 && dir == Direction::kSend && send_now(buffers[0], peer, kind, tag)) {
+    return done_request(peer, buffers[0].size, options().timeout);
+  }
+  if (count == 1 && dir == Direction::kRecv && peer != kAnySource) {
+    std::size_t got = 0;
+    Request posted;
+    if (recv_now(name, buffers[0], peer, kind, tag, &got, &posted)) {
+      return done_request(peer, got, options().timeout);
+    }
+    if (posted.valid()) return posted;
+  }
+  return post(dir, name, buffers, count, peer, kind, tag, fast_completion);
+}
+
 std::unique_ptr<Communicator> communicator_over(std::shared_ptr<Channel> channel) {
   if (!channel) throw Error(Errc::kInvalidArgument, "commux init: no channel given");
   return std::unique_ptr<Communicator>(new Communicator(std::move(channel)));
@@ -215,26 +232,15 @@ const RuntimeInfo& Communicator::runtime_info() const noexcept { return channel_
 Request Communicator::isend(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "isend");
   // A small message the transport takes inside the call is sent: its Request comes finished.
-  if (buffers.size() == 1 && channel_->send_now(buffers[0], peer, TagKind::kUser, t)) {
-    return detail::done_request(peer, buffers[0].size, options().timeout);
-  }
-  return channel_->post(detail::Direction::kSend, "isend", buffers.data(), buffers.size(), peer,
-                        TagKind::kUser, t, false);
+  return channel_->move_or_post(detail::Direction::kSend, "isend", buffers.data(), buffers.size(),
+                                peer, TagKind::kUser, t, false);
 }
 
 Request Communicator::irecv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "irecv");
   // A message that is there already is received inside the call: its Request comes finished.
-  if (buffers.size() == 1) {
-    std::size_t got = 0;
-    Request posted;
-    if (channel_->recv_now("irecv", buffers[0], peer, TagKind::kUser, t, &got, &posted)) {
-      return detail::done_request(peer, got, options().timeout);
-    }
-    if (posted.valid()) return posted;
-  }
-  return channel_->post(detail::Direction::kRecv, "irecv", buffers.data(), buffers.size(), peer,
-                        TagKind::kUser, t, false);
+  return channel_->move_or_post(detail::Direction::kRecv, "irecv", buffers.data(), buffers.size(),
+                                peer, TagKind::kUser, t, false);
 }
 
 // The blocking forms never return with the operation still posted: the caller gets no Request
@@ -274,17 +280,9 @@ void Communicator::send(const std::vector<Buffer>& buffers, int peer, std::int64
 
 Request Communicator::recv(const std::vector<Buffer>& buffers, int peer, std::int64_t tag) {
   const std::uint32_t t = check_user_tag(tag, "recv");
-  Request r;
-  std::size_t got = 0;
-  // A message that is there already is received inside the call: nothing to post or wait for.
-  if (buffers.size() == 1 &&
-      channel_->recv_now("recv", buffers[0], peer, TagKind::kUser, t, &got, &r)) {
-    return detail::done_request(peer, got, options().timeout);
-  }
-  if (!r.valid()) {
-    r = channel_->post(detail::Direction::kRecv, "recv", buffers.data(), buffers.size(), peer,
-                       TagKind::kUser, t, false);
-  }
+  // A message that is there already is received inside the call: nothing to wait for.
+  Request r = channel_->move_or_post(detail::Direction::kRecv, "recv", buffers.data(),
+                                     buffers.size(), peer, TagKind::kUser, t, false);
   wait_or_cancel(r);
   return r;
 }
