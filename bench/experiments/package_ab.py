@@ -35,9 +35,16 @@ OPS = ("allreduce", "broadcast", "allgather", "p2p")
 
 
 def parse_bytes(text):
+    """--bytes: a count with an optional K, M or G (binary)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     t = text.strip().upper()
-    return int(t[:-1]) * units[t[-1]] if t[-1] in units else int(t)
+    try:
+        n = int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 64K or 64M")
+    if n < 4 or n % 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: a multiple of 4 bytes (float32) is needed")
+    return n
 
 
 def fill(op, x, r, i):
@@ -116,7 +123,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("old", nargs="?", help="directory holding the other build's commux package")
     p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--bytes", default="64M", help="per rank, e.g. 64M")
+    p.add_argument("--bytes", default=parse_bytes("64M"), type=parse_bytes, help="per rank, e.g. 64M")
     p.add_argument("--calls", type=int, default=25)
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--ranks", type=int, default=2)
@@ -127,7 +134,6 @@ def main():
     bad = [o for o in a.ops if o not in OPS]
     if bad:
         p.error(f"--ops: unknown {bad} (known: {','.join(OPS)})")
-    a.bytes = parse_bytes(a.bytes)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if a.one_launch:
         return one_launch(a)
