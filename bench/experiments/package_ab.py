@@ -30,16 +30,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench.lib.launch import launch_ranks  # noqa: E402
+from bench.lib.sizes import parse_list, parse_size, size_name  # noqa: E402
 
 OPS = ("allreduce", "broadcast", "allgather", "p2p")
 
 
-def parse_bytes(text):
-    """--bytes: a count with an optional K, M or G (binary)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper()
+def byte_count(text):
+    """--bytes: bench.lib.sizes.parse_size's sizes, checked (argparse names a bad one)."""
     try:
-        n = int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+        n = parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 64K or 64M")
     if n < 4 or n % 4:
@@ -123,17 +122,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("old", nargs="?", help="directory holding the other build's commux package")
     p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--bytes", default=parse_bytes("64M"), type=parse_bytes, help="per rank, e.g. 64M")
+    p.add_argument("--bytes", default=byte_count("64M"), type=byte_count, help="per rank, e.g. 64M")
     p.add_argument("--calls", type=int, default=25)
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--launch-timeout", type=float, default=600, help="seconds per launch")
     p.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
-    a.ops = [o for o in a.ops.split(",") if o]
-    bad = [o for o in a.ops if o not in OPS]
-    if bad:
-        p.error(f"--ops: unknown {bad} (known: {','.join(OPS)})")
+    a.ops = parse_list(p, "--ops", a.ops, OPS)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if a.one_launch:
         return one_launch(a)
@@ -157,13 +153,13 @@ def main():
                 print(f"package_ab: the {side} launch of pair {k + 1} failed", file=sys.stderr)
                 return 1
             res = json.loads(done.stdout.strip().splitlines()[-1])
-            if side == "old" and Path(res["package"]).parent != Path(a.old).resolve():
-                print(f"package_ab: the old launch loaded {res['package']}, not OLD's", file=sys.stderr)
+            if (Path(res["package"]).parent == Path(a.old).resolve()) != (side == "old"):
+                print(f"package_ab: the {side} launch loaded {res['package']}", file=sys.stderr)
                 return 1
             runs[side].append(res)
             wrong += res["wrong"]
         print(f"pair {k + 1}/{a.pairs} done", file=sys.stderr)
-    print(f"{a.ranks} ranks, {a.bytes} bytes per rank, {a.pairs} pairs of launches of {a.calls} calls"
+    print(f"{a.ranks} ranks, {size_name(a.bytes)} per rank, {a.pairs} pairs of launches of {a.calls} calls"
           f" per op; new: {runs['new'][0]['package']}, old: {runs['old'][0]['package']}")
     print("| op | old µs | new µs | new/old of the medians | pairs' new/old | median of the pairs |")
     print("|---|---:|---:|---:|---|---:|")
