@@ -30,6 +30,13 @@ constexpr std::chrono::microseconds kDriveSpin{100};
 // a wake-up that preempts a caller where cores are few.
 constexpr std::chrono::milliseconds kSpinnerPark{10};
 constexpr std::chrono::milliseconds kRecentSpinPark{1};
+// The progress thread's longest idle nap while work is in flight, and while nothing is.
+constexpr std::chrono::microseconds kInFlightNap{2000};
+constexpr std::chrono::microseconds kIdleNap{20000};
+// A caller that goes to sleep in wait() wakes a progress thread that would sleep on longer than
+// this (its idle backoff may have reached kIdleNap while the caller computed), so that the
+// message it sleeps on is noticed within about the progress thread's restarted backoff.
+constexpr std::chrono::microseconds kSleeperLook{50};
 // Set on the progress thread: a wait there (a driver's) must progress itself.
 thread_local bool t_progress_thread = false;
 }  // namespace
@@ -362,9 +369,7 @@ void Worker::progress_thread_main() {
     // Grow by 1/4 per idle poll: the interval stays about a fifth of the time since the last
     // activity, so a completion is noticed late by at most ~20% of the wait, and a long wait
     // settles at the cap (2 ms while work is in flight, 20 ms otherwise).
-    const auto cap = holding     ? held_cap
-                     : in_flight ? std::chrono::microseconds(2000)
-                                 : std::chrono::microseconds(20000);
+    const auto cap = holding ? held_cap : in_flight ? kInFlightNap : kIdleNap;
     idle = grow_nap(idle, cap);
     if (wait_for_kick(idle, -1, posts)) {
       idle = kMinIdle;
@@ -469,9 +474,18 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   }
   sleepers_.fetch_add(1);
   // The progress thread completes what this thread sleeps on: wake it if it stayed off for a
-  // spinner (this one). One that is polling keeps its backoff (a kick would reset it to 5 us:
-  // a wait in 10 ms slices then cost thousands of polls a second).
-  if (left == 0 && parked_.load()) kick();
+  // spinner (this one), or if it is in a nap that ends later than this wait can afford: a wait
+  // that has just stopped spinning expects its message soon, and the progress thread's backoff
+  // may have grown to kIdleNap while the caller computed (a barrier after a long computation then
+  // returned up to 20 ms after the last rank arrived). The later slices of a wait in slices
+  // (spin < 0) have waited for long: a nap within the in-flight cap is soon enough for them,
+  // and one that is polling keeps its backoff (a kick would reset it to 5 us: a wait in 10 ms
+  // slices then cost thousands of polls a second).
+  if (left == 0 && parked_.load()) {
+    kick();
+  } else {
+    wake_if_asleep(spin.count() >= 0 ? kSleeperLook : kInFlightNap);
+  }
   {
     std::unique_lock<std::mutex> lock(done_mu_);
     done_cv_.wait_until(lock, deadline, [&] { return op.done.load() || op.abandoned.load(); });
