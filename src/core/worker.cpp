@@ -483,10 +483,12 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
   // slices then cost thousands of polls a second). So is it where the ranks outnumber the CPUs
   // (yield mode): there each wake-up and poll takes a CPU from a rank (4 ranks on 2 CPUs, 8 B
   // all_gather through torch: 1.14x the time when every sleeper cut naps beyond 50 us).
+  // (In wakeup mode the progress thread sleeps on the worker's event fd, which the message
+  // fires: no nap to cut.)
   const bool soon = spin.count() >= 0 && mode != YieldMode::kAlways;
   if (left == 0 && parked_.load()) {
     kick();
-  } else {
+  } else if (efd_ < 0) {
     wake_if_asleep(soon ? kSleeperLook : kInFlightNap);
   }
   {
