@@ -681,6 +681,69 @@ TEST(Threads, AWaitThatDoesNotSpinIsCompletedWhenItsMessageArrives) {
   }
 }
 
+// While a caller computes, nothing is in flight and the progress thread's idle naps grow towards
+// 20 ms. A caller that then waits, spins and goes to sleep must not leave the message it sleeps
+// on to the end of such a nap: it woke the progress thread only if it was parked for a spinner,
+// and a barrier after a computation returned up to 20 ms after the last rank arrived (through
+// torch: 64 MiB calls between computations took 1.1-1.3x their earlier time). Each round here
+// waits until the progress thread sleeps 10 ms or more at a time, then a second thread waits
+// for a receive nobody sends; within 5 ms of that thread going to sleep the progress thread
+// must be awake or in a nap that ends within the 2 ms in-flight cap. Before: still asleep, with
+// 6.3-6.7 ms of its nap left, in every round. (Polling mode: in wakeup mode the message itself
+// wakes the progress thread.)
+TEST(Threads, ACallerGoingToSleepCutsTheProgressThreadsLongNap) {
+  TempDir dir;
+  Options o = default_test_options();
+  o.timeout = std::chrono::seconds(60);
+  o.wakeup = Options::Wakeup::kOff;
+  auto comm = std::make_unique<Communicator>(dir.store(), 0, 1, o);
+  auto& ch = detail::channel(*comm);
+  constexpr int kRounds = 5;
+  int cut = 0;
+  std::string missed;
+  for (int round = 0; round < kRounds; ++round) {
+    const auto give_up = Clock::now() + std::chrono::seconds(5);
+    while (ch.progress_thread_nap_left() < std::chrono::milliseconds(10)) {
+      ASSERT_LT(Clock::now(), give_up) << "the progress thread's idle naps never reached 10 ms";
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    std::vector<unsigned char> in(64);
+    Request r = comm->irecv(Buffer{in.data(), in.size()}, 0, 100 + round);  // never sent
+    std::atomic<bool> timed_out{false};
+    std::thread waiter([&] {
+      try {
+        r.wait(std::chrono::milliseconds(200));
+      } catch (const Error& e) {
+        timed_out.store(e.code() == Errc::kTimeout);
+      }
+    });
+    const auto asleep_by = Clock::now() + std::chrono::seconds(5);
+    while (ch.sleeping_waiters() == 0 && Clock::now() < asleep_by) std::this_thread::yield();
+    ASSERT_GT(ch.sleeping_waiters(), 0) << "the waiter never went to sleep";
+    const auto slept = Clock::now();
+    auto left = ch.progress_thread_nap_left();
+    while (left >= std::chrono::milliseconds(2) &&
+           Clock::now() - slept < std::chrono::milliseconds(5)) {
+      std::this_thread::yield();
+      left = ch.progress_thread_nap_left();
+    }
+    if (left < std::chrono::milliseconds(2)) {
+      ++cut;
+    } else {
+      missed += " " + std::to_string(left.count()) + " us";
+    }
+    waiter.join();
+    EXPECT_TRUE(timed_out.load());
+    r.cancel();
+    try {
+      r.wait(std::chrono::seconds(5));
+    } catch (const Error&) {  // kCanceled, as asked
+    }
+  }
+  std::printf("the nap was cut in %d of %d rounds\n", cut, kRounds);
+  EXPECT_EQ(cut, kRounds) << "nap left 5 ms after the waiter went to sleep:" << missed;
+}
+
 TEST(Threads, ACollectiveBlockedForALateRankUsesLittleCpu) { blocked_for_a_late_rank(false); }
 
 TEST(Threads, AScheduleWaitedForALateRankUsesLittleCpu) { blocked_for_a_late_rank(true); }

@@ -138,6 +138,12 @@ class Channel {
   // How many times the progress thread has taken the channel's lock to progress it (0 without
   // one): for the tests, and to see how much of the progress it does.
   virtual std::uint64_t progress_thread_passes() const noexcept { return 0; }
+  // For the tests: how much longer the progress thread's present sleep lasts (zero while it is
+  // awake, or without one), and how many threads sleep in a wait.
+  virtual std::chrono::microseconds progress_thread_nap_left() const noexcept {
+    return std::chrono::microseconds(0);
+  }
+  virtual int sleeping_waiters() const noexcept { return 0; }
 
   // Sends one buffer if the transport can finish it inside this call (a small host message
   // whose transport has room): true when it has been sent, complete, with nothing to wait for

@@ -71,6 +71,10 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::uint64_t progress_thread_passes() const noexcept override {
     return worker_.progress_thread_passes();
   }
+  std::chrono::microseconds progress_thread_nap_left() const noexcept override {
+    return worker_.progress_thread_nap_left();
+  }
+  int sleeping_waiters() const noexcept override { return worker_.sleeping_waiters(); }
 
   // Requests (op.cpp); Op's RequestState methods call the last three.
   std::shared_ptr<Op> post_op(Op::Kind kind, const char* name, const Buffer* buffers,

@@ -113,6 +113,16 @@ class Worker {
   std::uint64_t progress_thread_passes() const noexcept {
     return thread_passes_.load(std::memory_order_relaxed);
   }
+  // How much longer the progress thread's present sleep lasts (zero while it is awake), and how
+  // many threads sleep in wait(): for the tests.
+  std::chrono::microseconds progress_thread_nap_left() const noexcept {
+    const std::int64_t until = asleep_until_.load();
+    const std::int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+    if (until == 0 || until <= now) return std::chrono::microseconds(0);
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::steady_clock::duration(until - now));
+  }
+  int sleeping_waiters() const noexcept { return sleepers_.load(); }
 
   // The progress thread (docs/progress.md): started once bootstrap is done, stopped (and joined)
   // first thing in shutdown.
