@@ -19,14 +19,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench.lib.launch import launch_ranks  # noqa: E402
+from bench.lib.launch import alternate_builds, launch_ranks  # noqa: E402
 
 
 def run_rank(job):
@@ -87,28 +86,14 @@ def main():
     builds = [None] + [str(Path(d).resolve()) for d in a.old]
     args = [sys.executable, __file__, "--one-launch", "--rounds", str(a.rounds),
             "--mib", str(a.mib), "--late", str(a.late)]
-    late = {b: [] for b in builds}
-    names = {}
-    wrong = 0
-    for k in range(a.launches):
-        for b in (builds if k % 2 == 0 else builds[::-1]):
-            env = dict(os.environ)
-            env.pop("PYTHONPATH", None)
-            if b is not None:
-                env["PYTHONPATH"] = b
-            done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=400)
-            if done.returncode != 0:
-                sys.stderr.write(done.stdout + done.stderr)
-                print(f"late_wake: launch {k + 1} of {b or 'the installed build'} failed",
-                      file=sys.stderr)
-                return 1
-            res = json.loads(done.stdout.strip().splitlines()[-1])
-            if b is not None and Path(res["package"]).parent != Path(b):
-                print(f"late_wake: the launch of {b} loaded {res['package']}", file=sys.stderr)
-                return 1
-            names[b] = res["package"]
-            late[b] += res["late_us"]
-            wrong += res["wrong"]
+    try:
+        runs = alternate_builds(args, builds, a.launches, 400, "late_wake")
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    late = {b: [t for r in runs[b] for t in r["late_us"]] for b in builds}
+    names = {b: runs[b][0]["package"] for b in builds}
+    wrong = sum(r["wrong"] for b in builds for r in runs[b])
     print(f"2 ranks, {a.mib} MiB computed over, rank 0 {a.late:g} ms later; {a.launches} "
           f"launches of {a.rounds} rounds per build")
     print("| build | median µs | p90 µs | max µs |")

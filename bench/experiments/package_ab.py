@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench.lib.launch import launch_ranks  # noqa: E402
+from bench.lib.launch import alternate_builds, launch_ranks  # noqa: E402
 from bench.lib.sizes import parse_list, parse_size, size_name  # noqa: E402
 
 OPS = ("allreduce", "broadcast", "allgather", "p2p")
@@ -138,27 +137,15 @@ def main():
     args = [sys.executable, __file__, "--one-launch", "--ops", ",".join(a.ops),
             "--bytes", str(a.bytes), "--calls", str(a.calls), "--ranks", str(a.ranks),
             "--launch-timeout", str(a.launch_timeout)]
-    runs = {"old": [], "new": []}
-    wrong = 0
-    for k in range(a.pairs):
-        for side in (("old", "new") if k % 2 == 0 else ("new", "old")):
-            env = dict(os.environ)
-            env.pop("PYTHONPATH", None)
-            if side == "old":
-                env["PYTHONPATH"] = str(Path(a.old).resolve())
-            done = subprocess.run(args, env=env, capture_output=True, text=True,
-                                  timeout=a.launch_timeout + 60)
-            if done.returncode != 0:
-                sys.stderr.write(done.stdout + done.stderr)
-                print(f"package_ab: the {side} launch of pair {k + 1} failed", file=sys.stderr)
-                return 1
-            res = json.loads(done.stdout.strip().splitlines()[-1])
-            if (Path(res["package"]).parent == Path(a.old).resolve()) != (side == "old"):
-                print(f"package_ab: the {side} launch loaded {res['package']}", file=sys.stderr)
-                return 1
-            runs[side].append(res)
-            wrong += res["wrong"]
-        print(f"pair {k + 1}/{a.pairs} done", file=sys.stderr)
+    old = str(Path(a.old).resolve())
+    try:
+        by_build = alternate_builds(args, [old, None], a.pairs, a.launch_timeout + 60,
+                                    "package_ab")
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    runs = {"old": by_build[old], "new": by_build[None]}
+    wrong = sum(r["wrong"] for side in runs.values() for r in side)
     print(f"{a.ranks} ranks, {size_name(a.bytes)} per rank, {a.pairs} pairs of launches of {a.calls} calls"
           f" per op; new: {runs['new'][0]['package']}, old: {runs['old'][0]['package']}")
     print("| op | old µs | new µs | new/old of the medians | pairs' new/old | median of the pairs |")

@@ -156,3 +156,35 @@ def launch_ranks(world, worker, job, timeout_s, what):
                 errors.append(f"{what}, rank {r}: exit status {p.exitcode}, no result "
                               f"(killed at the {timeout_s} s deadline?)")
     return results, errors
+
+
+def alternate_builds(args, builds, launches, timeout_s, what):
+    """Runs the command `args` (a script's one-launch form, whose last line of output is a JSON
+    object naming the commux package it loaded as "package") `launches` times per build, in the
+    order of `builds`, then reversed, and so on, so that a drift of the machine during the run
+    falls on every build alike. A build is None (the installed package) or a directory holding
+    another build's package (`pip install --no-deps --no-build-isolation --target DIR .`), put
+    at the front of the launch's PYTHONPATH. Returns {build: [each launch's JSON object]}; raises
+    RuntimeError (naming the build and the launch) for a launch that failed or loaded a package
+    other than its build's."""
+    runs = {b: [] for b in builds}
+    for k in range(launches):
+        for b in (builds if k % 2 == 0 else builds[::-1]):
+            env = dict(os.environ)
+            env.pop("PYTHONPATH", None)
+            if b is not None:
+                env["PYTHONPATH"] = str(b)
+            name = b or "the installed build"
+            done = subprocess.run(args, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s)
+            if done.returncode != 0:
+                sys.stderr.write(done.stdout + done.stderr)
+                raise RuntimeError(f"{what}: launch {k + 1} of {name} failed")
+            res = json.loads(done.stdout.strip().splitlines()[-1])
+            loaded = Path(res["package"]).parent
+            if (b is not None and loaded != Path(b).resolve()) or (
+                    b is None and any(o is not None and loaded == Path(o).resolve()
+                                      for o in builds)):
+                raise RuntimeError(f"{what}: launch {k + 1} of {name} loaded {res['package']}")
+            runs[b].append(res)
+    return runs
