@@ -169,11 +169,7 @@ void Worker::signal(std::uint64_t count) noexcept {
 void Worker::kick() noexcept { signal(kKickCount); }
 
 void Worker::wake_if_asleep(std::chrono::microseconds late) noexcept {
-  const std::int64_t until = asleep_until_.load();
-  if (until != 0 && until - Clock::now().time_since_epoch().count() >
-                        std::chrono::duration_cast<Clock::duration>(late).count()) {
-    kick();
-  }
+  if (progress_thread_nap_left() > late) kick();
 }
 
 void Worker::wake_for_background_locked() noexcept {

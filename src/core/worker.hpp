@@ -113,8 +113,8 @@ class Worker {
   std::uint64_t progress_thread_passes() const noexcept {
     return thread_passes_.load(std::memory_order_relaxed);
   }
-  // How much longer the progress thread's present sleep lasts (zero while it is awake), and how
-  // many threads sleep in wait(): for the tests.
+  // How much longer the progress thread's present sleep lasts (zero while it is awake:
+  // wake_if_asleep and the tests), and how many threads sleep in wait() (the tests).
   std::chrono::microseconds progress_thread_nap_left() const noexcept {
     const std::int64_t until = asleep_until_.load();
     const std::int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
