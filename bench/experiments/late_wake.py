@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench.lib.launch import alternate_builds, launch_ranks  # noqa: E402
+from bench.lib.launch import alternate_builds, build_dir, launch_ranks  # noqa: E402
+from bench.lib.sizes import positive  # noqa: E402
 
 
 def run_rank(job):
@@ -71,8 +72,8 @@ def one_launch(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("old", nargs="*", help="directories holding other builds' commux package")
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--launches", type=int, default=2, help="per build")
+    p.add_argument("--rounds", type=positive, default=30)
+    p.add_argument("--launches", type=positive, default=2, help="per build")
     p.add_argument("--mib", type=int, default=64, help="the tensor computed over, MiB")
     p.add_argument("--late", type=float, default=5, help="how much later rank 0 arrives, ms")
     p.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
@@ -80,10 +81,7 @@ def main():
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if a.one_launch:
         return one_launch(a)
-    for d in a.old:
-        if not (Path(d) / "commux" / "__init__.py").is_file():
-            p.error(f"OLD: {d!r} holds no commux package (pip install --target OLD .)")
-    builds = [None] + [str(Path(d).resolve()) for d in a.old]
+    builds = [None] + [build_dir(p, d) for d in a.old]
     args = [sys.executable, __file__, "--one-launch", "--rounds", str(a.rounds),
             "--mib", str(a.mib), "--late", str(a.late)]
     try:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench.lib.launch import alternate_builds, launch_ranks  # noqa: E402
-from bench.lib.sizes import parse_list, parse_size, size_name  # noqa: E402
+from bench.lib.launch import alternate_builds, build_dir, launch_ranks  # noqa: E402
+from bench.lib.sizes import parse_list, parse_size, positive, size_name  # noqa: E402
 
 OPS = ("allreduce", "broadcast", "allgather", "p2p")
 
@@ -123,7 +123,7 @@ def main():
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--bytes", default=byte_count("64M"), type=byte_count, help="per rank, e.g. 64M")
     p.add_argument("--calls", type=int, default=25)
-    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--pairs", type=positive, default=6)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--launch-timeout", type=float, default=600, help="seconds per launch")
     p.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
@@ -132,12 +132,10 @@ def main():
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if a.one_launch:
         return one_launch(a)
-    if not a.old or not (Path(a.old) / "commux" / "__init__.py").is_file():
-        p.error(f"OLD: {a.old!r} holds no commux package (pip install --target OLD .)")
+    old = build_dir(p, a.old)
     args = [sys.executable, __file__, "--one-launch", "--ops", ",".join(a.ops),
             "--bytes", str(a.bytes), "--calls", str(a.calls), "--ranks", str(a.ranks),
             "--launch-timeout", str(a.launch_timeout)]
-    old = str(Path(a.old).resolve())
     try:
         by_build = alternate_builds(args, [old, None], a.pairs, a.launch_timeout + 60,
                                     "package_ab")

@@ -158,6 +158,15 @@ def launch_ranks(world, worker, job, timeout_s, what):
     return results, errors
 
 
+def build_dir(parser, text):
+    """A command line's OLD: a directory holding another build's commux package (made with
+    `pip install --no-deps --no-build-isolation --target OLD .`), resolved; `parser` names a
+    directory that holds none."""
+    if not text or not (Path(text) / "commux" / "__init__.py").is_file():
+        parser.error(f"OLD: {text!r} holds no commux package (pip install --target OLD .)")
+    return str(Path(text).resolve())
+
+
 def alternate_builds(args, builds, launches, timeout_s, what):
     """Runs the command `args` (a script's one-launch form, whose last line of output is a JSON
     object naming the commux package it loaded as "package") `launches` times per build, in the

@@ -1,4 +1,5 @@
 """Sizes in tables (8 B, 64 KiB, 1 MiB) and on command lines (8, 4K, 1M, 1G), and lists of names."""
+import argparse
 
 
 def size_name(s, gib=False):
@@ -24,3 +25,14 @@ def parse_list(parser, flag, text, allowed):
     if bad or not items or len(set(items)) != len(items):
         parser.error(f"{flag}: want distinct items of {','.join(allowed)}, got '{text}'")
     return items
+
+
+def positive(text):
+    """An argparse type: a count of 1 or more (a run of no launches or rounds has no median)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return n
