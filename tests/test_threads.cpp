@@ -20,6 +20,7 @@
 #include <fstream>
 #include <future>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -743,6 +744,132 @@ TEST(Threads, ACallerGoingToSleepCutsTheProgressThreadsLongNap) {
   }
   std::printf("the nap was cut in %d of %d rounds\n", cut, kRounds);
   EXPECT_EQ(cut, kRounds) << "nap left 5 ms after the waiter went to sleep:" << missed;
+}
+
+// A thread that waits for several transfers in turn (a torch waiter resuming a group's async
+// collectives as their requests complete) goes straight from one wait to the next. Each wait
+// that ended with another transfer above 4 KiB still in flight handed progress back to the
+// progress thread (a kick: a wake-up, and a preemption of a rank where cores are few) only for
+// the thread to park again at the next wait. Under a detail::ProgressHold the hand-back waits for
+// the hold's end. Two ranks (threads of this process) exchange 8 transfers of 64 KiB each way per
+// round and wait for them in turn, rounds with and without a hold alternating; the kicks of the
+// progress threads are counted per round. Then progress must still be handed back: rank 0 holds
+// while it waits for a small message, with a 192 KiB receive in flight, then computes 3 ms
+// without calling commux; that transfer moves only if the progress thread was woken when the hold
+// ended. With a 1 MiB receive in flight (above kHoldBytes) the wait itself hands back, inside the
+// hold: the progress thread moves such a transfer while the holder computes between its waits.
+TEST(Threads, AHoldKeepsTheProgressThreadOffBetweenWaitsAndHandsBackAtItsEnd) {
+  TempDir dir;
+  Options o = default_test_options();
+  o.spin = std::chrono::seconds(1);  // the waits spin to their end (a sleep would kick rightly)
+  o.wakeup = Options::Wakeup::kOff;
+  auto comms = two_ranks_in_process(dir, o);
+  constexpr int kRounds = 100;  // per kind; the first two rounds (one of each) warm up
+  constexpr int kCount = 8;
+  constexpr std::size_t kBytes = 64 * 1024;
+  constexpr std::size_t kLarge = std::size_t{1} << 20;
+  const auto kicks_now = [&] {
+    return detail::channel(*comms[0]).progress_thread_kicks() +
+           detail::channel(*comms[1]).progress_thread_kicks();
+  };
+  std::uint64_t kicks[2] = {0, 0};  // [held]: of both ranks' progress threads, after warm-up
+  std::size_t wrong[2] = {0, 0};
+  constexpr std::size_t kMedium = 192 * 1024;
+  int moved[2] = {0, 0};           // [0]: kMedium, [1]: kLarge
+  int kicked_in_hold[2] = {0, 0};  // how often the small wait inside the hold kicked
+  constexpr int kTails = 10;
+  std::atomic<int> arrived{0};
+  int passed[2] = {0, 0};
+  const auto barrier = [&](int rank) {  // the two ranks' threads meet
+    const int want = 2 * ++passed[rank];
+    arrived.fetch_add(1);
+    while (arrived.load() < want) std::this_thread::yield();
+  };
+  auto loop = [&](int rank) {
+    Communicator& comm = *comms[rank];
+    const int peer = 1 - rank;
+    std::vector<std::vector<std::uint8_t>> out(kCount, std::vector<std::uint8_t>(kBytes));
+    std::vector<std::vector<std::uint8_t>> in(kCount, std::vector<std::uint8_t>(kBytes));
+    std::int64_t tag = 1;
+    for (int round = 0; round < 2 * kRounds; ++round) {
+      const bool held = round % 2 == 1;
+      const std::uint64_t k0 = rank == 0 ? kicks_now() : 0;
+      barrier(rank);
+      std::vector<Request> reqs;
+      for (int i = 0; i < kCount; ++i) {
+        std::fill(out[i].begin(), out[i].end(), static_cast<std::uint8_t>(round + i + rank));
+        reqs.push_back(comm.irecv(Buffer{in[i].data(), kBytes}, peer, tag + i));
+        reqs.push_back(comm.isend(Buffer{out[i].data(), kBytes}, peer, tag + i));
+      }
+      tag += kCount;
+      {
+        std::optional<detail::ProgressHold> hold;
+        if (held) hold.emplace();
+        for (auto& r : reqs) r.wait();
+      }
+      for (int i = 0; i < kCount; ++i) {
+        wrong[rank] +=
+            static_cast<std::size_t>(std::count_if(in[i].begin(), in[i].end(), [&](std::uint8_t b) {
+              return b != static_cast<std::uint8_t>(round + i + peer);
+            }));
+      }
+      barrier(rank);
+      if (rank == 0 && round >= 2) kicks[held] += kicks_now() - k0;
+    }
+    // Progress is handed back: by the hold's end with a 192 KiB receive in flight, by the wait
+    // itself (inside the hold) with a 1 MiB one. Rank 1 sends the small message 2 ms late (rank
+    // 0's wait spins meanwhile, and its progress thread parks for it), and the larger one 300 us
+    // later.
+    const auto busy = [](std::chrono::microseconds d) {
+      for (const auto until = Clock::now() + d; Clock::now() < until;) {
+      }
+    };
+    std::vector<std::uint8_t> big(kLarge, static_cast<std::uint8_t>(rank + 1));
+    std::uint64_t small = 0;
+    for (int it = 0; it < 2 * kTails; ++it, tag += 2) {
+      const int kind = it % 2;  // 0: kMedium, 1: kLarge
+      const std::size_t bytes = kind == 0 ? kMedium : kLarge;
+      barrier(rank);
+      if (rank == 1) {
+        busy(std::chrono::milliseconds(2));
+        comm.isend(Buffer{&small, sizeof small}, 0, tag).wait();
+        busy(std::chrono::microseconds(300));
+        comm.isend(Buffer{big.data(), bytes}, 0, tag + 1).wait();
+        continue;
+      }
+      std::fill(big.begin(), big.end(), std::uint8_t{0});
+      Request b = comm.irecv(Buffer{big.data(), bytes}, 1, tag + 1);
+      {
+        detail::ProgressHold hold;
+        const std::uint64_t k0 = detail::channel(comm).progress_thread_kicks();
+        comm.irecv(Buffer{&small, sizeof small}, 1, tag).wait();
+        kicked_in_hold[kind] += detail::channel(comm).progress_thread_kicks() > k0 ? 1 : 0;
+      }
+      busy(std::chrono::milliseconds(3));
+      moved[kind] += b.done() ? 1 : 0;
+      b.wait();
+      wrong[0] += static_cast<std::size_t>(
+          bytes - static_cast<std::size_t>(std::count(big.begin(), big.begin() + bytes, 2)));
+    }
+  };
+  std::thread other([&] { loop(1); });
+  loop(0);
+  other.join();
+  std::printf(
+      "kicks of the progress threads per round of %d transfers each way: %.2f without a hold, "
+      "%.2f with; moved during the computation after the hold: 192 KiB in %d of %d (kicked "
+      "inside the hold %d times), 1 MiB in %d (kicked inside it %d times)\n",
+      kCount, static_cast<double>(kicks[0]) / (kRounds - 1),
+      static_cast<double>(kicks[1]) / (kRounds - 1), moved[0], kTails, kicked_in_hold[0], moved[1],
+      kicked_in_hold[1]);
+  EXPECT_EQ(wrong[0] + wrong[1], 0u);
+  if (!kSanitized) {
+    EXPECT_LT(2 * kicks[1], kicks[0]);
+    EXPECT_GE(moved[0], kTails * 3 / 4);
+    EXPECT_GE(moved[1], kTails * 3 / 4);
+    EXPECT_EQ(kicked_in_hold[0], 0);
+    EXPECT_GE(kicked_in_hold[1], kTails * 3 / 4);
+  }
 }
 
 TEST(Threads, ACollectiveBlockedForALateRankUsesLittleCpu) { blocked_for_a_late_rank(false); }
