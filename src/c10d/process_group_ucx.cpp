@@ -672,9 +672,6 @@ void ProcessGroupUCX::Impl::run_through(const std::shared_ptr<Task>& target,
       --g->drivers_;
     }
   } driving{this};
-  // This thread progresses the worker until it leaves: its waits do not hand progress back to
-  // the core's progress thread each time one of them ends (a wake-up per Work of 8 waited in turn).
-  commux::detail::ProgressHold hold;
   const bool interruptible = c10d_detail::interruptible();
   auto next_interrupt_check = Clock::now() + c10d_detail::kInterruptPoll;
   int idle = 0;  // schedule slices in a row in which none was ready

@@ -7,7 +7,6 @@
 #include <thread>
 
 #include "commux/error.hpp"
-#include "../core/channel.hpp"
 #include "flight_recorder.hpp"
 #include "watcher.hpp"
 
@@ -73,9 +72,6 @@ c10::intrusive_ptr<c10::ivalue::Future> Task::finish(std::exception_ptr e, bool 
   // Future callbacks (DDP comm hooks) run here, on the finishing thread, outside our lock. A
   // future asked for after this is settled by get_future().
   if (f && settle_here) {
-    // Callbacks are user code, which may compute for long: a waiter that holds progress for
-    // the schedules it resumes hands it back first.
-    commux::detail::ProgressHold::release();
     settle(*f);
     return {};
   }

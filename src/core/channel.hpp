@@ -91,25 +91,6 @@ class Driver {
   virtual bool drive() noexcept = 0;
 };
 
-// Held by a thread that drives work through several waits in a row (a waiter resuming a group's
-// suspended collectives, one after another as their requests complete): a wait of this thread
-// that ends while it spins does not hand progress back to the channel's progress thread (a
-// wake-up, where a transfer that moves only while someone progresses is in flight), since the
-// thread goes straight on to progress the channel again; the hold's end hands it back if still
-// needed, and so does release() (before the thread runs user code, such as a future's callbacks).
-// While a transfer above 256 KiB is in flight the waits hand it back as usual: the progress
-// thread then moves it while the holder computes between its waits. Holds nest; a channel a
-// thread waits on must outlive its hold.
-class ProgressHold {
- public:
-  ProgressHold() noexcept;
-  ~ProgressHold();
-  ProgressHold(const ProgressHold&) = delete;
-  ProgressHold& operator=(const ProgressHold&) = delete;
-  // Hands back now what this thread's holds put off (nothing if it holds none, or owes nothing).
-  static void release() noexcept;
-};
-
 class Channel {
  public:
   virtual ~Channel() = default;
@@ -157,8 +138,6 @@ class Channel {
   // How many times the progress thread has taken the channel's lock to progress it (0 without
   // one): for the tests, and to see how much of the progress it does.
   virtual std::uint64_t progress_thread_passes() const noexcept { return 0; }
-  // How many times a thread has kicked the progress thread awake (0 without one): the tests.
-  virtual std::uint64_t progress_thread_kicks() const noexcept { return 0; }
   // For the tests: how much longer the progress thread's present sleep lasts (zero while it is
   // awake, or without one), and how many threads sleep in a wait.
   virtual std::chrono::microseconds progress_thread_nap_left() const noexcept {

@@ -71,9 +71,6 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::uint64_t progress_thread_passes() const noexcept override {
     return worker_.progress_thread_passes();
   }
-  std::uint64_t progress_thread_kicks() const noexcept override {
-    return worker_.progress_thread_kicks();
-  }
   std::chrono::microseconds progress_thread_nap_left() const noexcept override {
     return worker_.progress_thread_nap_left();
   }

@@ -41,31 +41,6 @@ constexpr std::chrono::microseconds kSleeperLook{50};
 thread_local bool t_progress_thread = false;
 }  // namespace
 
-// ProgressHold: how many this thread holds, and the worker whose hand-back they put off.
-namespace {
-thread_local int t_holds = 0;
-thread_local Worker* t_owed = nullptr;
-}  // namespace
-
-ProgressHold::ProgressHold() noexcept { ++t_holds; }
-
-ProgressHold::~ProgressHold() {
-  if (--t_holds == 0) release();
-}
-
-void ProgressHold::release() noexcept {
-  Worker* const w = t_owed;
-  t_owed = nullptr;
-  if (w != nullptr) w->hand_back();
-}
-
-void Worker::hand_back() noexcept {
-  if (spinners_.load() == 0 &&
-      (inflight_large_.load() > 0 || (sleepers_.load() > 0 && parked_.load()))) {
-    kick();
-  }
-}
-
 Worker::~Worker() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
@@ -191,10 +166,7 @@ void Worker::signal(std::uint64_t count) noexcept {
   [[maybe_unused]] const ssize_t w = ::write(wake_fd_, &count, sizeof(count));
 }
 
-void Worker::kick() noexcept {
-  kicks_.fetch_add(1, std::memory_order_relaxed);
-  signal(kKickCount);
-}
+void Worker::kick() noexcept { signal(kKickCount); }
 
 void Worker::wake_if_asleep(std::chrono::microseconds late) noexcept {
   if (progress_thread_nap_left() > late) kick();
@@ -491,17 +463,8 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
     // switch per wait where threads outnumber cores (4 ranks on 2 cores: 8 B barrier 36 us with
     // the wake-up, 3.6 us without). Nor is it woken for nothing: only if a large transfer is in
     // flight, or a sleeping thread waits for it to progress while it stays off.
-    // A thread that holds progress (ProgressHold: it goes straight on to progress the worker
-    // again) hands it back when its hold ends instead, unless a transfer above kHoldBytes is in
-    // flight (worker.hpp). Waiting for 8 exchanges of 64 KiB in turn kicked the progress threads
-    // of two ranks 2-4 times per round, each kick a preemption of a rank where cores are few
-    // (Threads.AHoldKeepsTheProgressThreadOffBetweenWaitsAndHandsBackAtItsEnd).
-    if (left == 0) {
-      if (t_holds > 0 && inflight_long_.load() == 0) {
-        t_owed = this;
-      } else {
-        hand_back();
-      }
+    if (left == 0 && (inflight_large_.load() > 0 || (sleepers_.load() > 0 && parked_.load()))) {
+      kick();
     }
     return true;
   }

@@ -90,7 +90,6 @@ class Worker {
                           std::memory_order_relaxed);
     if (op->capacity > kBackgroundBytes) {
       inflight_large_.fetch_add(1);
-      if (op->capacity > kHoldBytes) inflight_long_.fetch_add(1);
       // Nobody spins: the caller may compute before it waits (an exchange posted, then computed
       // over), and only the progress thread moves the transfer meanwhile.
       if (spinners_.load(std::memory_order_relaxed) == 0) wake_for_background_locked();
@@ -106,7 +105,6 @@ class Worker {
     inflight_count_.store(inflight_count_.load(std::memory_order_relaxed) - 1,
                           std::memory_order_relaxed);
     if (op.capacity > kBackgroundBytes) inflight_large_.fetch_sub(1);
-    if (op.capacity > kHoldBytes) inflight_long_.fetch_sub(1);
     return std::move(op.self);
   }
   Op* inflight_locked() const noexcept { return inflight_; }  // the first; follow Op::next
@@ -114,10 +112,6 @@ class Worker {
   // How many times the progress thread has taken the worker to progress it (no lock needed).
   std::uint64_t progress_thread_passes() const noexcept {
     return thread_passes_.load(std::memory_order_relaxed);
-  }
-  // How many times it has been kicked (the tests).
-  std::uint64_t progress_thread_kicks() const noexcept {
-    return kicks_.load(std::memory_order_relaxed);
   }
   // How much longer the progress thread's present sleep lasts (zero while it is awake:
   // wake_if_asleep and the tests), and how many threads sleep in wait() (the tests).
@@ -155,11 +149,6 @@ class Worker {
   void held_changed(int delta) noexcept { held_.fetch_add(delta); }
   // Wakes the progress thread (no lock needed).
   void kick() noexcept;
-  // After a wait that ended spinning: hands progress back to the progress thread (kicks it) if
-  // no thread spins and it is needed, for a transfer above kBackgroundBytes in flight (it moves
-  // only while someone progresses) or for a thread asleep in wait() while it stays parked.
-  // A thread holding a ProgressHold (channel.hpp) owes it instead, until its hold ends.
-  void hand_back() noexcept;
   // Wakes it only if it sleeps (or stays parked) for more than `late` from now: new work for a
   // thread that polls often anyway is not worth a wake-up (Channel::wake_driver).
   void wake_if_asleep(std::chrono::microseconds late) noexcept;
@@ -217,12 +206,6 @@ class Worker {
   // not stay parked for callers' waits back to back meanwhile (progress_thread_main).
   static constexpr std::size_t kBackgroundBytes = 4096;
   std::atomic<int> inflight_large_{0};
-  // Of those, the ones above kHoldBytes: while one is in flight, a thread holding progress
-  // (ProgressHold) hands it back at the end of each wait all the same. Such a transfer lasts long
-  // enough (over 50 us at 5 GB/s) that the progress thread's moving it while the holder computes
-  // between its waits (a pipelined reduction's chunks) is worth a wake-up.
-  static constexpr std::size_t kHoldBytes = std::size_t{256} << 10;
-  std::atomic<int> inflight_long_{0};
   static constexpr std::chrono::microseconds kBackgroundLate{1000};
   static constexpr std::chrono::microseconds kBackgroundGrace{50};
   // Raised while the progress thread sleeps longer than kBackgroundLate and no post has cut this
@@ -238,7 +221,6 @@ class Worker {
   // the worker themselves (docs/progress.md).
   std::atomic<std::uint64_t> user_progress_{0};
   std::atomic<std::uint64_t> thread_passes_{0};  // progress_thread_passes()
-  std::atomic<std::uint64_t> kicks_{0};          // progress_thread_kicks()
   std::atomic<int> sleepers_{0};     // threads sleeping in wait(): completions notify done_cv_
   std::atomic<bool> parked_{false};  // the progress thread is staying off for user threads
   // When the progress thread's current sleep ends (steady_clock ticks; 0: it is not asleep).
