@@ -13,6 +13,10 @@ allreduce and all_gather_into_tensor at 8 B and 64 MiB, the groups interleaved p
 the median over rounds of the time per call. The suite takes noop: fake's time grows with the
 size (a 64 MiB copy) and python's adds a Python call that "ucx" does not make. Nothing is checked:
 none of them computes anything.
+
+--async8 measures instead what torch itself adds to an async call: 8 all_reduces of 64 KiB issued
+with async_op=True and then waited, against 8 blocking ones, per group (async_overlap.py's and
+schedule_ab.py's async8 pattern); prints µs per 8 calls, median over rounds.
 """
 import argparse
 import os
@@ -53,6 +57,8 @@ def python_backend():
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--async8", action="store_true",
+                   help="8 async all_reduces then waited against 8 blocking ones")
     args = p.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -70,6 +76,10 @@ def main(argv):
     names = ["noop", "fake", "python"]
     groups = {b: dist.new_group(backend=b) for b in names}
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if args.async8:
+        async8(dist, groups, names, args.rounds)
+        dist.destroy_process_group()
+        return 0
     print(f"torch {torch.__version__}; us per call, median of {args.rounds} rounds")
     for nbytes in (8, 64 << 20):
         i, o = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
@@ -91,6 +101,30 @@ def main(argv):
             print(f"{op:9} {nbytes:>9} B: {cells}")
     dist.destroy_process_group()
     return 0
+
+
+def async8(dist, groups, names, rounds, iters=200):
+    """Prints µs per 8 all_reduces of 64 KiB, blocking and issued async then waited."""
+    import torch
+    xs = [torch.ones(16384) for _ in range(8)]
+    print(f"torch {torch.__version__}; us per 8 all_reduces of 64 KiB, median of {rounds} rounds")
+    for b in names:
+        g = groups[b]
+        times = {"blocking": [], "async8": []}
+        for r in range(rounds):
+            for mode in times if r % 2 == 0 else list(times)[::-1]:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    if mode == "blocking":
+                        for x in xs:
+                            dist.all_reduce(x, group=g)
+                    else:
+                        works = [dist.all_reduce(x, group=g, async_op=True) for x in xs]
+                        for w in works:
+                            w.wait()
+                times[mode].append((time.perf_counter() - t0) / iters * 1e6)
+        blocking, asynced = (statistics.median(times[m]) for m in ("blocking", "async8"))
+        print(f"{b:7} blocking {blocking:.2f}, async8 {asynced:.2f} ({asynced / blocking:.3f})")
 
 
 if __name__ == "__main__":
