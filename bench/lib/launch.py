@@ -114,7 +114,17 @@ def rank_entry(rank, world, port, worker, job, out_dir):
         (out / f"rank{rank}.err").write_text(text)
         sys.exit(1)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    end_groups()
     sys.exit(0)
+
+
+def end_groups():
+    """Destroys the process groups a worker left, before the interpreter ends: a gloo worker
+    thread that let go of the last tensor during Python's finalization took ranks down
+    ("terminate called without an active exception", in ProcessGroupGloo's runLoop)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch_ranks(world, worker, job, timeout_s, what):
