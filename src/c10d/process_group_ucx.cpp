@@ -172,12 +172,14 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   aten_on_cpu_ = settings.aten_reduce;
   caller_runs_ = settings.caller_runs;
   schedules_ = settings.schedule && caller_runs_;
-  // COMMUX_INFLIGHT=auto: two at once (as Gloo's two threads per group), but one at a time where
-  // the group's ranks outnumber the CPUs (the communicator then yields from the first poll): a
-  // second running collective would only add a thread that takes the CPU from a peer.
-  const bool oversubscribed = settings.yield == commux::Settings::Yield::kAuto &&
-                              comm_->options().yield == commux::Options::Yield::kOn;
-  inflight_ = settings.inflight > 0 ? settings.inflight : (oversubscribed ? 1 : 2);
+  // COMMUX_INFLIGHT=auto: two at once (as Gloo's two threads per group) where the process has a
+  // CPU to spare beyond the group's ranks on this host, else one at a time: a second running
+  // collective would only add a thread that takes the CPU from a rank. With as many ranks as
+  // CPUs (2 and 2), futures of 8 async all_reduces waited in turn (DDP's buckets) took
+  // 1.19-1.36x blocking's time at 1 MiB with two at once, 1.01-1.18x one at a time, and the
+  // other patterns of bench/experiments/schedule_ab.py were alike (docs/torch-backend.md).
+  inflight_ = settings.inflight > 0 ? settings.inflight
+                                    : (commux::detail::channel(*comm_).spare_cpus() ? 2 : 1);
   // Schedules hold no thread while they wait, so auto lets more of them run at once; an explicit
   // COMMUX_INFLIGHT bounds them too.
   sched_limit_ = settings.inflight > 0 ? settings.inflight : kScheduleLimit;

@@ -98,6 +98,10 @@ class Channel {
   virtual int size() const noexcept = 0;
   virtual const Options& options() const noexcept = 0;
   virtual const RuntimeInfo& info() const noexcept = 0;
+  // Whether the process's affinity mask has more CPUs than the group has ranks on this host
+  // (known once the communicator has connected): a thread of a rank's beyond its caller's can
+  // then run without taking a CPU from a rank. The default says yes.
+  virtual bool spare_cpus() const noexcept { return true; }
   // Posts one logical operation over `count` buffers. `name` ("isend", "send", ...) names it in
   // errors. fast_completion (sends): ask for local completion as early as the transport allows.
   // Validation errors (peer, buffers) throw Error(kInvalidArgument) before anything is posted.

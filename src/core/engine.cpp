@@ -123,6 +123,7 @@ void Engine::resolve_yield() {
     if (p != rank_ && peers_[p].same_host) ++local;
   }
   const int cpus = usable_cpus();
+  spare_cpus_ = cpus > local;
   if (options_.yield == Options::Yield::kAuto && local > cpus) options_.yield = Options::Yield::kOn;
   if (options_.yield == Options::Yield::kOff) worker_.set_yield_mode(Worker::YieldMode::kNever);
   if (options_.yield == Options::Yield::kOn) {

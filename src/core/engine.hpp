@@ -51,6 +51,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   int rank() const noexcept override { return rank_; }
   int size() const noexcept override { return size_; }
   const Options& options() const noexcept override { return options_; }
+  bool spare_cpus() const noexcept override { return spare_cpus_; }
   const RuntimeInfo& info() const noexcept override { return info_; }
   Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count, int peer,
                TagKind kind, std::uint32_t tag, bool fast_completion) override;
@@ -161,8 +162,9 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   std::shared_ptr<Store> store_;
   const int rank_;
   const int size_;
-  Options options_;   // group: the id agreed in place(); read-only after the constructor
-  RuntimeInfo info_;  // the Hub's, copied in the constructor, then read-only
+  Options options_;         // group: the id agreed in place(); read-only after the constructor
+  RuntimeInfo info_;        // the Hub's, copied in the constructor, then read-only
+  bool spare_cpus_ = true;  // set by resolve_yield(), then read-only (spare_cpus())
 
   Hub::Placement placement_;  // the shared Hub and this Engine's group id on it
   Worker& worker_;            // placement_.hub's
