@@ -58,13 +58,7 @@ def run_rank(job):
                 dist.barrier(group=g)  # the measured group's own: gloo's leaves ranks far apart
                 t0 = time.perf_counter()
                 for xs in sets:
-                    if mode == "blocking":
-                        for x in xs:
-                            dist.all_reduce(x, group=g)
-                    else:
-                        works = [dist.all_reduce(x, group=g, async_op=True) for x in xs]
-                        for w in works:
-                            w.wait()
+                    all_reduces(dist, xs, g, mode)
                 dt = (time.perf_counter() - t0) / passes
                 for p, xs in enumerate(sets):
                     for i, x in enumerate(xs):
@@ -77,6 +71,18 @@ def run_rank(job):
     # runLoop, 3 of 8 launches of inflight_netns.py in a row).
     dist.destroy_process_group()
     return {"times": times, "wrong": wrong}
+
+
+def all_reduces(dist, xs, group, mode):
+    """all_reduce of each tensor of xs on `group`: blocking ("blocking"), or all issued with
+    async_op=True and then each waited (any other mode)."""
+    if mode == "blocking":
+        for x in xs:
+            dist.all_reduce(x, group=group)
+        return
+    works = [dist.all_reduce(x, group=group, async_op=True) for x in xs]
+    for w in works:
+        w.wait()
 
 
 def ucx_groups(inflight, schedule):

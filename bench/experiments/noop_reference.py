@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.experiments.async_overlap import all_reduces  # noqa: E402
 from bench.lib.launch import free_port  # noqa: E402
 
 
@@ -115,13 +116,7 @@ def async8(dist, groups, names, rounds, iters=200):
             for mode in times if r % 2 == 0 else list(times)[::-1]:
                 t0 = time.perf_counter()
                 for _ in range(iters):
-                    if mode == "blocking":
-                        for x in xs:
-                            dist.all_reduce(x, group=g)
-                    else:
-                        works = [dist.all_reduce(x, group=g, async_op=True) for x in xs]
-                        for w in works:
-                            w.wait()
+                    all_reduces(dist, xs, g, mode)
                 times[mode].append((time.perf_counter() - t0) / iters * 1e6)
         blocking, asynced = (statistics.median(times[m]) for m in ("blocking", "async8"))
         print(f"{b:7} blocking {blocking:.2f}, async8 {asynced:.2f} ({asynced / blocking:.3f})")
