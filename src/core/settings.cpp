@@ -68,8 +68,8 @@ const std::vector<Setting>& settings_table() {
        "the torch backend runs up to this many CPU collectives of one group at once, started in "
        "issue order; one whose tensors overlap a running one's waits for it, and a barrier, a "
        "device collective or a sparse one runs alone; auto: 16 schedules (COMMUX_SCHEDULE), and "
-       "of the collectives that hold a thread 2, or 1 when the group's ranks on this host "
-       "outnumber the CPUs of the process's affinity mask"},
+       "of the collectives that hold a thread 2 when the process's affinity mask has more CPUs "
+       "than the group has ranks on this host, else 1"},
       {"COMMUX_ALGO_ALLREDUCE", "name", "auto", kOnce,
        "forces the allreduce algorithm (see docs/collectives.md); auto: the selector chooses"},
       {"COMMUX_ALGO_BROADCAST", "name", "auto", kOnce, "forces the broadcast algorithm"},
