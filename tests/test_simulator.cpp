@@ -34,6 +34,7 @@
 #include "commux/collectives.hpp"
 #include "harness.hpp"
 #include "loopback_channel.hpp"
+#include "schedule.hpp"
 
 using namespace commux;
 using namespace commux::test;
@@ -404,6 +405,23 @@ TEST_P(Schedules, EveryAlgorithmInFlightAtOnceCompletesCorrectly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Schedules, ::testing::Range(1, 9));
+
+// Fibers switch by jumps (no system call) unless the thread runs with a shadow stack, where every
+// switch is a swapcontext(): the same schedules, all in flight and resumed across threads, made
+// while swapcontext() is forced, must complete alike.
+TEST(Schedules, SwitchingBySwapcontextCompletesEveryAlgorithm) {
+  const bool jumps = coll::detail::fiber_switch_jumps();
+  coll::detail::set_fiber_switch_jumps(false);
+  struct Restore {
+    bool jumps;
+    ~Restore() { coll::detail::set_fiber_switch_jumps(jumps); }
+  } restore{jumps};
+  ASSERT_FALSE(coll::detail::fiber_switch_jumps());
+  for (int n : {3, 5}) {
+    LoopbackWorld w(n, LoopMode::kRendezvous);
+    expect_clean(w, w.run(every_algorithm_scheduled));
+  }
+}
 
 // Context::call_text need only live until the call starts: a schedule's caller goes on (the
 // torch backend builds it in a buffer its next call overwrites). Each rank overwrites its text

@@ -1,9 +1,16 @@
 // coll::Schedule: a collective call on a stack of its own, suspended where it would wait (see
 // commux/collectives.hpp and schedule.hpp).
 //
-// Each schedule is a ucontext fiber: makecontext() on a stack from a small process-wide cache
-// (mmap'd with a guard page below it), swapcontext() into it to run or resume the call, and back
-// to the resuming thread when the call suspends (Exchange::wait, through suspend()) or returns.
+// Each schedule is a fiber: makecontext() on a stack from a small process-wide cache (mmap'd with
+// a guard page below it), entered once with setcontext(), and from then on switched with
+// sigsetjmp(env, 0) / siglongjmp() (the thread's side saved before each resume, the fiber's
+// before each suspension): into it to run or resume the call, and back to the resuming thread
+// when the call suspends (Exchange::wait, through suspend()) or returns. Why not swapcontext()
+// every time: glibc's saves and sets the signal mask, a system call per switch, and an 8-byte
+// allreduce run as a schedule took 1.11-1.33x as long that way on the development VM
+// (bench/experiments/fiber_switch.cpp). Where the kernel keeps a shadow stack for the thread
+// (x86 CET), a jump between stacks would fault, so every switch stays a swapcontext() there
+// (detail::fiber_switch_jumps()).
 // A fiber may be resumed by a different thread each time; the sanitizers are told about every
 // switch (AddressSanitizer's fiber API, ThreadSanitizer's fibers), so the asan and tsan stages
 // check these paths too.
@@ -12,9 +19,16 @@
 // inside the fiber when it returns), the stack, and a copy of the Request it waits for. Locks:
 // `busy` lets one thread at a time resume it; `wmu` guards `waiting` (the fiber writes it just
 // before it suspends, drivers read it to sleep on it).
+// glibc's fortified longjmp refuses a jump to another stack ("longjmp causes uninitialized stack
+// frame"): switching fibers is exactly that.
+#ifdef _FORTIFY_SOURCE
+#undef _FORTIFY_SOURCE
+#endif
 #include "schedule.hpp"
 
+#include <setjmp.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -118,12 +132,44 @@ std::int64_t ticks(Clock::time_point t) { return t.time_since_epoch().count(); }
 
 thread_local Schedule::Impl* t_current = nullptr;
 
+// Whether this thread runs with a shadow stack (x86 CET user shadow stacks, Linux 6.6's
+// ARCH_SHSTK_STATUS): then only swapcontext() switches stacks safely (glibc gives each
+// makecontext() stack a shadow stack of its own), and a siglongjmp() to another stack faults.
+bool shadow_stack_enabled() noexcept {
+#if defined(__linux__) && defined(__x86_64__) && defined(SYS_arch_prctl)
+  constexpr int kArchShstkStatus = 0x5005;
+  unsigned long features = 0;
+  if (::syscall(SYS_arch_prctl, kArchShstkStatus, &features) == 0) return (features & 1u) != 0;
+#endif
+  return false;
+}
+
+std::atomic<int>& jump_mode() {  // -1: not decided yet; 0: swapcontext; 1: jumps
+  static std::atomic<int> m{-1};
+  return m;
+}
+
+bool jumps() noexcept {
+  int m = jump_mode().load(std::memory_order_relaxed);
+  if (m < 0) {
+    m = shadow_stack_enabled() ? 0 : 1;
+    jump_mode().store(m, std::memory_order_relaxed);
+  }
+  return m == 1;
+}
+
 }  // namespace
 
 struct Schedule::Impl {
   std::function<void()> call;
   ucontext_t fiber{};
-  ucontext_t caller{};  // the resuming thread's context, while the call runs
+  ucontext_t caller{};  // the resuming thread's context, while the call runs (swapcontext mode)
+  // Jump mode (detail::fiber_switch_jumps()): where the resuming thread and the suspended call
+  // go on.
+  sigjmp_buf caller_env{};
+  sigjmp_buf fiber_env{};
+  bool jump = false;     // this fiber switches by jumps (decided when it is made)
+  bool entered = false;  // switched into once (its first entry is a setcontext())
   void* mapping = nullptr;
   char* stack = nullptr;  // the usable part of the mapping
   // Set by the fiber as it returns; read by the resuming thread once control is back.
@@ -137,7 +183,8 @@ struct Schedule::Impl {
   std::atomic<std::int64_t> wake{0};   // when it is ready anyway (its next check, its deadline)
   std::atomic<std::int64_t> since{0};  // when the call began to wait for `waiting`
 #ifdef COMMUX_ASAN
-  void* fake_stack = nullptr;  // the fiber's, while it is switched out
+  void* fake_stack = nullptr;   // the fiber's, while it is switched out
+  void* caller_fake = nullptr;  // the resuming thread's, while the fiber runs
   const void* caller_bottom = nullptr;
   std::size_t caller_size = 0;
 #endif
@@ -151,6 +198,9 @@ struct Schedule::Impl {
   void switch_in();
   // From the fiber: back to the resuming thread.
   void switch_out();
+  // What the sanitizers are told just before each switch.
+  void before_switch_in();
+  void before_switch_out();
 };
 
 void Schedule::Impl::entry(unsigned hi, unsigned lo) {
@@ -172,25 +222,30 @@ void Schedule::Impl::entry(unsigned hi, unsigned lo) {
 #ifdef COMMUX_TSAN
   __tsan_switch_to_fiber(s->tsan_caller, 0);
 #endif
+  if (s->jump) ::siglongjmp(s->caller_env, 1);
   ::setcontext(&s->caller);
 }
 
-// Always continues on the thread it started on: the fiber switches back to `caller`, which this
-// thread saved.
+// Always continues on the thread it started on: the fiber switches back to where this thread
+// saved itself (`caller_env`, or `caller` with swapcontext()).
 void Schedule::Impl::switch_in() {
   Impl* const outer = t_current;
   t_current = this;
-#ifdef COMMUX_TSAN
-  tsan_caller = __tsan_get_current_fiber();
-  __tsan_switch_to_fiber(tsan_fiber, 0);
-#endif
+  if (!jump) {
+    before_switch_in();
+    ::swapcontext(&caller, &fiber);
+  } else if (sigsetjmp(caller_env, 0) == 0) {
+    // (This thread's side is saved before ThreadSanitizer is told: it files a sigsetjmp() under
+    // the fiber that makes it, and the jump back comes once the call has switched back to it.)
+    before_switch_in();
+    if (entered) ::siglongjmp(fiber_env, 1);
+    // The first entry, from the constructor on the thread that made `fiber` (getcontext()):
+    // setcontext() sets the signal mask saved there, this thread's own.
+    entered = true;
+    ::setcontext(&fiber);
+  }
 #ifdef COMMUX_ASAN
-  void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, stack, kStackBytes);
-#endif
-  ::swapcontext(&caller, &fiber);
-#ifdef COMMUX_ASAN
-  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+  __sanitizer_finish_switch_fiber(caller_fake, nullptr, nullptr);
 #endif
   t_current = outer;
   if (returned) {
@@ -204,21 +259,46 @@ void Schedule::Impl::switch_in() {
   }
 }
 
-void Schedule::Impl::switch_out() {
-#ifdef COMMUX_ASAN
-  __sanitizer_start_switch_fiber(&fake_stack, caller_bottom, caller_size);
-#endif
+void Schedule::Impl::before_switch_in() {
 #ifdef COMMUX_TSAN
-  __tsan_switch_to_fiber(tsan_caller, 0);
+  tsan_caller = __tsan_get_current_fiber();
+  __tsan_switch_to_fiber(tsan_fiber, 0);
 #endif
-  ::swapcontext(&fiber, &caller);
+#ifdef COMMUX_ASAN
+  __sanitizer_start_switch_fiber(&caller_fake, stack, kStackBytes);
+#endif
+}
+
+void Schedule::Impl::switch_out() {
+  if (!jump) {
+    before_switch_out();
+    ::swapcontext(&fiber, &caller);
+  } else if (sigsetjmp(fiber_env, 0) == 0) {
+    before_switch_out();
+    ::siglongjmp(caller_env, 1);
+  }
   // Resumed, perhaps by another thread.
 #ifdef COMMUX_ASAN
   __sanitizer_finish_switch_fiber(fake_stack, &caller_bottom, &caller_size);
 #endif
 }
 
+void Schedule::Impl::before_switch_out() {
+#ifdef COMMUX_ASAN
+  __sanitizer_start_switch_fiber(&fake_stack, caller_bottom, caller_size);
+#endif
+#ifdef COMMUX_TSAN
+  __tsan_switch_to_fiber(tsan_caller, 0);
+#endif
+}
+
 namespace detail {
+
+bool fiber_switch_jumps() noexcept { return jumps(); }
+
+void set_fiber_switch_jumps(bool on) noexcept {
+  jump_mode().store(on && !shadow_stack_enabled() ? 1 : 0, std::memory_order_relaxed);
+}
 
 __attribute__((noinline)) Schedule::Impl* current_schedule() noexcept { return t_current; }
 
@@ -244,6 +324,7 @@ __attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on, Clo
 Schedule::Schedule(std::function<void()> call) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.call = std::move(call);
+  s.jump = jumps();
   s.mapping = take_stack();
   s.stack = static_cast<char*>(s.mapping) + page_size();
   ::getcontext(&s.fiber);

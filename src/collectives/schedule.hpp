@@ -26,6 +26,13 @@ bool blocking(const Schedule::Impl* s) noexcept;
 // (a thread sleeping on it spins first only while that wait is young, as a blocking wait does).
 void suspend(Schedule::Impl* s, const Request& on, std::chrono::steady_clock::time_point wake,
              std::chrono::steady_clock::time_point since);
+// Whether fibers switch by jumps (sigsetjmp(env, 0) / siglongjmp(): no system call) rather than
+// by swapcontext(), which sets the signal mask on every switch: true unless the thread runs with
+// a shadow stack (schedule.cpp). set_fiber_switch_jumps(false) makes the schedules made from then
+// on switch with swapcontext() (the tests run both ways; true where a shadow stack is on changes
+// nothing).
+bool fiber_switch_jumps() noexcept;
+void set_fiber_switch_jumps(bool on) noexcept;
 // How long a wait spins before it sleeps only (Exchange::wait's first slice).
 inline constexpr std::chrono::milliseconds kSpinningWait{25};
 
