@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -59,7 +60,10 @@ int rank_main(const std::string& dir, int rank, int rounds, int calls) {
         call();
       } else {
         commux::coll::Schedule s(call);
-        s.wait(std::chrono::seconds(30));
+        if (!s.wait(std::chrono::seconds(30))) {
+          throw std::runtime_error("allreduce #" + std::to_string(i) +
+                                   " as a schedule did not finish within 30 s");
+        }
       }
       if (v[0] != 3.0f || v[1] != 3.0f) ++wrong;
     }

@@ -144,18 +144,10 @@ bool shadow_stack_enabled() noexcept {
   return false;
 }
 
-std::atomic<int>& jump_mode() {  // -1: not decided yet; 0: swapcontext; 1: jumps
-  static std::atomic<int> m{-1};
-  return m;
-}
-
-bool jumps() noexcept {
-  int m = jump_mode().load(std::memory_order_relaxed);
-  if (m < 0) {
-    m = shadow_stack_enabled() ? 0 : 1;
-    jump_mode().store(m, std::memory_order_relaxed);
-  }
-  return m == 1;
+// Whether schedules made from now on switch by jumps (detail::fiber_switch_jumps()).
+std::atomic<bool>& jump_mode() {
+  static std::atomic<bool> on{!shadow_stack_enabled()};
+  return on;
 }
 
 }  // namespace
@@ -294,10 +286,10 @@ void Schedule::Impl::before_switch_out() {
 
 namespace detail {
 
-bool fiber_switch_jumps() noexcept { return jumps(); }
+bool fiber_switch_jumps() noexcept { return jump_mode().load(std::memory_order_relaxed); }
 
 void set_fiber_switch_jumps(bool on) noexcept {
-  jump_mode().store(on && !shadow_stack_enabled() ? 1 : 0, std::memory_order_relaxed);
+  jump_mode().store(on && !shadow_stack_enabled(), std::memory_order_relaxed);
 }
 
 __attribute__((noinline)) Schedule::Impl* current_schedule() noexcept { return t_current; }
@@ -324,7 +316,7 @@ __attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on, Clo
 Schedule::Schedule(std::function<void()> call) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.call = std::move(call);
-  s.jump = jumps();
+  s.jump = detail::fiber_switch_jumps();
   s.mapping = take_stack();
   s.stack = static_cast<char*>(s.mapping) + page_size();
   ::getcontext(&s.fiber);
