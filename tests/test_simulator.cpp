@@ -423,6 +423,77 @@ TEST(Schedules, SwitchingBySwapcontextCompletesEveryAlgorithm) {
   }
 }
 
+// A fiber whose call returned waits parked for the next schedule, which runs on it from the start
+// (schedule.cpp, Fiber::loop); the cache keeps 32 of each switching mode and unmaps the rest.
+// Each way: 80 schedules in turn, every third throwing, each must report its own outcome and
+// release its captures as it ends; then, on 2 ranks, 48 barriers in flight at once per rank
+// (more than the cache keeps, so some fibers end instead of parking) driven to their ends, and
+// one more allreduce on what the cache kept.
+void reuse_fibers() {
+  for (int i = 0; i < 80; ++i) {
+    auto held = std::make_shared<int>(i);
+    std::weak_ptr<int> watch = held;
+    int seen = -1;
+    coll::Schedule s([&seen, held = std::move(held), i] {
+      seen = *held;
+      if (i % 3 == 0) throw std::runtime_error("call " + std::to_string(i) + " failed");
+    });
+    if (!s.done()) fail("a call that never waits did not finish in the constructor");
+    if (seen != i) fail("call " + std::to_string(i) + " ran with " + std::to_string(seen));
+    if (!watch.expired()) fail("call " + std::to_string(i) + " kept its captures after it ended");
+    if ((i % 3 == 0) != static_cast<bool>(s.error()))
+      fail("call " + std::to_string(i) + "'s error");
+    if (s.error()) {
+      try {
+        std::rethrow_exception(s.error());
+      } catch (const std::runtime_error& e) {
+        if (std::string(e.what()) != "call " + std::to_string(i) + " failed")
+          fail(std::string("another call's error: ") + e.what());
+      }
+    }
+  }
+  LoopbackWorld w(2, LoopMode::kRendezvous);
+  expect_clean(w, w.run([](Communicator& comm) {
+    std::vector<std::unique_ptr<coll::Schedule>> ss;
+    for (std::uint32_t i = 0; i < 48; ++i) {
+      coll::Context c;
+      c.comm = &comm;
+      c.tag = 100 + i;
+      c.op_name = "barrier";
+      c.deadline = Clock::now() + std::chrono::seconds(20);
+      ss.push_back(std::make_unique<coll::Schedule>([c] { coll::barrier(c); }));
+    }
+    std::mt19937 rng(static_cast<unsigned>(comm.rank()) + 3u);
+    drive(ss, rng);
+    for (auto& s : ss) {
+      if (s->error()) std::rethrow_exception(s->error());
+    }
+    coll::Context c;
+    c.comm = &comm;
+    c.tag = 200;
+    c.op_name = "allreduce";
+    c.deadline = Clock::now() + std::chrono::seconds(20);
+    std::vector<float> v(3, static_cast<float>(comm.rank() + 1));
+    coll::Schedule s(
+        [&] { coll::allreduce(c, v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum); });
+    if (!s.wait(std::chrono::seconds(20))) fail("the allreduce did not finish");
+    if (v != std::vector<float>(3, 3.0f)) fail("the allreduce on a reused fiber is wrong");
+  }));
+}
+
+TEST(Schedules, FibersAreReusedByLaterCalls) {
+  const bool jumps = coll::detail::fiber_switch_jumps();
+  struct Restore {
+    bool jumps;
+    ~Restore() { coll::detail::set_fiber_switch_jumps(jumps); }
+  } restore{jumps};
+  for (bool mode : {true, false}) {
+    SCOPED_TRACE(mode ? "jumps" : "swapcontext");
+    coll::detail::set_fiber_switch_jumps(mode);
+    reuse_fibers();
+  }
+}
+
 // Context::call_text need only live until the call starts: a schedule's caller goes on (the
 // torch backend builds it in a buffer its next call overwrites). Each rank overwrites its text
 // once its allreduce has suspended; the ranks' calls differ (4 and 6 elements), and each rank's

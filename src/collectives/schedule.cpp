@@ -1,13 +1,17 @@
 // coll::Schedule: a collective call on a stack of its own, suspended where it would wait (see
 // commux/collectives.hpp and schedule.hpp).
 //
-// Each schedule is a fiber: makecontext() on a stack from a small process-wide cache (mmap'd with
-// a guard page below it), entered once with setcontext(), and from then on switched with
+// Each schedule runs on a fiber: a stack from a small process-wide cache (mmap'd with a guard
+// page below it) and the code that lives on it. A fiber is made once (getcontext() and
+// makecontext()), entered once with setcontext(), and from then on switched with
 // sigsetjmp(env, 0) / siglongjmp() (the thread's side saved before each resume, the fiber's
-// before each suspension): into it to run or resume the call, and back to the resuming thread
-// when the call suspends (Exchange::wait, through suspend()) or returns. Why not swapcontext()
-// every time: glibc's saves and sets the signal mask, a system call per switch, and an 8-byte
-// allreduce run as a schedule took 1.11-1.33x as long that way on the development VM
+// before each suspension): into it to run or resume a call, and back to the resuming thread when
+// the call suspends (Exchange::wait, through suspend()) or returns. When its call returns, a
+// cached fiber parks itself in its loop (Fiber::loop) instead of ending, and the next schedule
+// that takes the stack jumps into it, so a schedule makes no system call of its own. Why not
+// swapcontext(), or a context made for every call: glibc's saves and sets the signal mask, a
+// system call per switch, and getcontext()/setcontext() each make one too; an 8-byte allreduce
+// run as a schedule took 1.11-1.33x as long with swapcontext() on the development VM
 // (bench/experiments/fiber_switch.cpp). Where the kernel keeps a shadow stack for the thread
 // (x86 CET), a jump between stacks would fault, so every switch stays a swapcontext() there
 // (detail::fiber_switch_jumps()).
@@ -16,11 +20,10 @@
 // check these paths too.
 //
 // Ownership: the Schedule owns its Impl, the Impl owns the call (and its captures, released
-// inside the fiber when it returns), the stack, and a copy of the Request it waits for. Locks:
-// `busy` lets one thread at a time resume it; `wmu` guards `waiting` (the fiber writes it just
-// before it suspends, drivers read it to sleep on it).
-// glibc's fortified longjmp refuses a jump to another stack ("longjmp causes uninitialized stack
-// frame"): switching fibers is exactly that.
+// inside the fiber when it returns), a copy of the Request it waits for, and its Fiber until the
+// call returns (the fiber then goes back to the cache, or is unmapped where the cache is full).
+// Locks: `busy` lets one thread at a time resume it; `wmu` guards `waiting` (the fiber writes it
+// just before it suspends, drivers read it to sleep on it).
 #ifdef _FORTIFY_SOURCE
 #undef _FORTIFY_SOURCE
 #endif
@@ -79,56 +82,12 @@ using Clock = std::chrono::steady_clock;
 // A call's stack: the collectives need a few KiB, but the torch backend's calls run ATen
 // operators and build error messages with backtraces on it. Pages are touched only as used.
 constexpr std::size_t kStackBytes = std::size_t{1} << 20;
-constexpr std::size_t kCachedStacks = 32;
+constexpr std::size_t kCachedStacks = 32;  // kept fibers of each switching mode
 
 std::size_t page_size() {
   static const std::size_t p = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   return p;
 }
-
-struct StackCache {
-  std::mutex mu;
-  std::vector<void*> free;  // [mu] mappings of page_size() + kStackBytes, guard page first
-};
-
-StackCache& stacks() {
-  static StackCache* c = new StackCache;  // never destroyed: schedules may end during exit
-  return *c;
-}
-
-void* take_stack() {
-  {
-    StackCache& c = stacks();
-    std::lock_guard<std::mutex> g(c.mu);
-    if (!c.free.empty()) {
-      void* s = c.free.back();
-      c.free.pop_back();
-      return s;
-    }
-  }
-  void* m = ::mmap(nullptr, page_size() + kStackBytes, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
-  if (m == MAP_FAILED) {
-    throw Error(Errc::kTransport, "commux schedule: cannot map a stack of " +
-                                      std::to_string(kStackBytes) + " bytes for the collective");
-  }
-  ::mprotect(m, page_size(), PROT_NONE);  // an overflow faults instead of corrupting memory
-  return m;
-}
-
-void give_stack(void* m) {
-  StackCache& c = stacks();
-  {
-    std::lock_guard<std::mutex> g(c.mu);
-    if (c.free.size() < kCachedStacks) {
-      c.free.push_back(m);
-      return;
-    }
-  }
-  ::munmap(m, page_size() + kStackBytes);
-}
-
-std::int64_t ticks(Clock::time_point t) { return t.time_since_epoch().count(); }
 
 thread_local Schedule::Impl* t_current = nullptr;
 
@@ -150,30 +109,20 @@ std::atomic<bool>& jump_mode() {
   return on;
 }
 
-}  // namespace
-
-struct Schedule::Impl {
-  std::function<void()> call;
-  ucontext_t fiber{};
-  ucontext_t caller{};  // the resuming thread's context, while the call runs (swapcontext mode)
-  // Jump mode (detail::fiber_switch_jumps()): where the resuming thread and the suspended call
-  // go on.
-  sigjmp_buf caller_env{};
-  sigjmp_buf fiber_env{};
-  bool jump = false;     // this fiber switches by jumps (decided when it is made)
-  bool entered = false;  // switched into once (its first entry is a setcontext())
+// A stack and the fiber on it. Between calls a kept fiber waits parked in loop(), at its
+// switch_out(); its next call starts by a resume like any other.
+struct Fiber {
   void* mapping = nullptr;
   char* stack = nullptr;  // the usable part of the mapping
-  // Set by the fiber as it returns; read by the resuming thread once control is back.
-  bool returned = false;
-  std::exception_ptr error;
-  std::atomic<bool> done{false};
-  std::atomic<bool> busy{false};      // a thread is resuming it (or starting it)
-  std::atomic<bool> blocking{false};  // resumed by run_to_end(): its waits block
-  mutable std::mutex wmu;
-  Request waiting;                     // [wmu] what it is suspended on (invalid: nothing)
-  std::atomic<std::int64_t> wake{0};   // when it is ready anyway (its next check, its deadline)
-  std::atomic<std::int64_t> since{0};  // when the call began to wait for `waiting`
+  bool jump = false;      // switches by jumps (fixed when made: the cache keeps the two apart)
+  bool started = false;   // entered once (its first entry is a setcontext())
+  bool kept = false;      // holds one of the cache's places: parks between calls, never unmapped
+  Schedule::Impl* current = nullptr;  // the call it runs (set by the thread that gives it one)
+  ucontext_t ctx{};                   // made once; with swapcontext(), where the fiber goes on
+  ucontext_t caller{};                // with swapcontext(), where the resuming thread goes on
+  // Jump mode: where the suspended fiber and the resuming thread go on.
+  sigjmp_buf env{};
+  sigjmp_buf caller_env{};
 #ifdef COMMUX_ASAN
   void* fake_stack = nullptr;   // the fiber's, while it is switched out
   void* caller_fake = nullptr;  // the resuming thread's, while the fiber runs
@@ -185,73 +134,172 @@ struct Schedule::Impl {
   void* tsan_caller = nullptr;
 #endif
 
-  static void entry(unsigned hi, unsigned lo);
-  // Runs the fiber until it suspends or returns (the caller holds `busy`).
+  static void loop(unsigned hi, unsigned lo);
+  // `ctx` for loop() on `stack` (getcontext() returns twice to the compiler: kept out of line).
+  void make_context();
+  // From a thread: runs the fiber until its call suspends or returns (the caller holds the
+  // Impl's `busy`).
   void switch_in();
-  // From the fiber: back to the resuming thread.
+  // From the fiber: back to the resuming thread; returns when a thread resumes it.
   void switch_out();
   // What the sanitizers are told just before each switch.
   void before_switch_in();
   void before_switch_out();
 };
 
-void Schedule::Impl::entry(unsigned hi, unsigned lo) {
-  auto* s = reinterpret_cast<Impl*>((static_cast<std::uintptr_t>(hi) << 32) |
-                                    static_cast<std::uintptr_t>(lo));
-#ifdef COMMUX_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &s->caller_bottom, &s->caller_size);
-#endif
-  try {
-    s->call();
-  } catch (...) {
-    s->error = std::current_exception();
+struct FiberCache {
+  std::mutex mu;
+  std::vector<Fiber*> free[2];                // [mu] parked kept fibers, by `jump`
+  std::atomic<std::size_t> kept[2] = {0, 0};  // fibers that hold a place, by `jump`
+};
+
+FiberCache& fibers() {
+  static FiberCache* c = new FiberCache;  // never destroyed: schedules may end during exit
+  return *c;
+}
+
+Fiber* take_fiber(bool jump) {
+  FiberCache& c = fibers();
+  {
+    std::lock_guard<std::mutex> g(c.mu);
+    auto& free = c.free[jump ? 1 : 0];
+    if (!free.empty()) {
+      Fiber* f = free.back();
+      free.pop_back();
+      return f;
+    }
   }
-  s->call = nullptr;  // its captures (tensors, buffers) go now, on the thread that finished it
-  s->returned = true;
+  auto f = std::make_unique<Fiber>();
+  f->jump = jump;
+  f->mapping = ::mmap(nullptr, page_size() + kStackBytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+  if (f->mapping == MAP_FAILED) {
+    throw Error(Errc::kTransport, "commux schedule: cannot map a stack of " +
+                                      std::to_string(kStackBytes) + " bytes for the collective");
+  }
+  ::mprotect(f->mapping, page_size(), PROT_NONE);  // an overflow faults, not corrupting memory
+  f->stack = static_cast<char*>(f->mapping) + page_size();
+  f->make_context();
+#ifdef COMMUX_TSAN
+  f->tsan_fiber = __tsan_create_fiber(0);
+#endif
+  return f.release();
+}
+
+__attribute__((noinline)) void Fiber::make_context() {
+  ::getcontext(&ctx);
+  ctx.uc_stack.ss_sp = stack;
+  ctx.uc_stack.ss_size = kStackBytes;
+  ctx.uc_link = nullptr;  // loop() never returns: it switches back itself
+  const auto p = reinterpret_cast<std::uintptr_t>(this);
+  ::makecontext(&ctx, reinterpret_cast<void (*)()>(&Fiber::loop), 2, static_cast<unsigned>(p >> 32),
+                static_cast<unsigned>(p & 0xffffffffu));
+}
+
+// After its call returned: a kept fiber (parked) goes back to the cache, another one (ended) is
+// unmapped.
+void give_fiber(Fiber* f) {
+  if (f->kept) {
+    FiberCache& c = fibers();
+    std::lock_guard<std::mutex> g(c.mu);
+    c.free[f->jump ? 1 : 0].push_back(f);
+    return;
+  }
+#ifdef COMMUX_TSAN
+  __tsan_destroy_fiber(f->tsan_fiber);
+#endif
+  ::munmap(f->mapping, page_size() + kStackBytes);
+  delete f;
+}
+
+// Whether a fiber whose call returned takes one of the cache's places (it then parks).
+bool keep_fiber(bool jump) noexcept {
+  std::atomic<std::size_t>& kept = fibers().kept[jump ? 1 : 0];
+  std::size_t n = kept.load(std::memory_order_relaxed);
+  while (n < kCachedStacks) {
+    if (kept.compare_exchange_weak(n, n + 1, std::memory_order_relaxed)) return true;
+  }
+  return false;
+}
+
+std::int64_t ticks(Clock::time_point t) { return t.time_since_epoch().count(); }
+
+}  // namespace
+
+struct Schedule::Impl {
+  std::function<void()> call;
+  Fiber* fiber = nullptr;  // until the call has returned
+  // Set by the fiber as the call returns; read by the resuming thread once control is back.
+  bool returned = false;
+  std::exception_ptr error;
+  std::atomic<bool> done{false};
+  std::atomic<bool> busy{false};      // a thread is resuming it (or starting it)
+  std::atomic<bool> blocking{false};  // resumed by run_to_end(): its waits block
+  mutable std::mutex wmu;
+  Request waiting;                     // [wmu] what it is suspended on (invalid: nothing)
+  std::atomic<std::int64_t> wake{0};   // when it is ready anyway (its next check, its deadline)
+  std::atomic<std::int64_t> since{0};  // when the call began to wait for `waiting`
+
+  // Runs the call until it suspends or returns (the caller holds `busy`).
+  void resume();
+};
+
+void Fiber::loop(unsigned hi, unsigned lo) {
+  // (Only `f`, never changed, is read after a jump back into this frame.)
+  Fiber* const f = reinterpret_cast<Fiber*>((static_cast<std::uintptr_t>(hi) << 32) |
+                                            static_cast<std::uintptr_t>(lo));
 #ifdef COMMUX_ASAN
-  __sanitizer_start_switch_fiber(nullptr, s->caller_bottom, s->caller_size);  // stack is done
+  __sanitizer_finish_switch_fiber(nullptr, &f->caller_bottom, &f->caller_size);
+#endif
+  for (;;) {
+    Schedule::Impl* const s = f->current;
+    try {
+      s->call();
+    } catch (...) {
+      s->error = std::current_exception();
+    }
+    s->call = nullptr;  // its captures (tensors, buffers) go now, on the thread that finished it
+    s->returned = true;
+    if (!f->kept) f->kept = keep_fiber(f->jump);
+    if (f->kept) {
+      f->switch_out();  // parked until a schedule takes this stack again
+      continue;
+    }
+    // Ended: the resuming thread unmaps the stack.
+#ifdef COMMUX_ASAN
+    __sanitizer_start_switch_fiber(nullptr, f->caller_bottom, f->caller_size);
 #endif
 #ifdef COMMUX_TSAN
-  __tsan_switch_to_fiber(s->tsan_caller, 0);
+    __tsan_switch_to_fiber(f->tsan_caller, 0);
 #endif
-  if (s->jump) ::siglongjmp(s->caller_env, 1);
-  ::setcontext(&s->caller);
+    if (f->jump) ::siglongjmp(f->caller_env, 1);
+    ::setcontext(&f->caller);
+  }
 }
 
 // Always continues on the thread it started on: the fiber switches back to where this thread
-// saved itself (`caller_env`, or `caller` with swapcontext()).
-void Schedule::Impl::switch_in() {
-  Impl* const outer = t_current;
-  t_current = this;
+// saved itself (`caller_env`, or `caller` with swapcontext()). (Neither switch is inlined: the only
+// local of a frame that a jump comes back to is then `this`, never changed.)
+__attribute__((noinline)) void Fiber::switch_in() {
   if (!jump) {
     before_switch_in();
-    ::swapcontext(&caller, &fiber);
+    ::swapcontext(&caller, &ctx);
   } else if (sigsetjmp(caller_env, 0) == 0) {
     // (This thread's side is saved before ThreadSanitizer is told: it files a sigsetjmp() under
     // the fiber that makes it, and the jump back comes once the call has switched back to it.)
     before_switch_in();
-    if (entered) ::siglongjmp(fiber_env, 1);
-    // The first entry, from the constructor on the thread that made `fiber` (getcontext()):
-    // setcontext() sets the signal mask saved there, this thread's own.
-    entered = true;
-    ::setcontext(&fiber);
+    if (started) ::siglongjmp(env, 1);
+    // The first entry, on the thread that made `ctx` (getcontext(), take_fiber() from the
+    // Schedule's constructor): setcontext() sets the signal mask saved there, this thread's own.
+    started = true;
+    ::setcontext(&ctx);
   }
 #ifdef COMMUX_ASAN
   __sanitizer_finish_switch_fiber(caller_fake, nullptr, nullptr);
 #endif
-  t_current = outer;
-  if (returned) {
-#ifdef COMMUX_TSAN
-    __tsan_destroy_fiber(tsan_fiber);
-    tsan_fiber = nullptr;
-#endif
-    give_stack(mapping);
-    mapping = nullptr;
-    done.store(true, std::memory_order_release);
-  }
 }
 
-void Schedule::Impl::before_switch_in() {
+void Fiber::before_switch_in() {
 #ifdef COMMUX_TSAN
   tsan_caller = __tsan_get_current_fiber();
   __tsan_switch_to_fiber(tsan_fiber, 0);
@@ -261,27 +309,39 @@ void Schedule::Impl::before_switch_in() {
 #endif
 }
 
-void Schedule::Impl::switch_out() {
+__attribute__((noinline)) void Fiber::switch_out() {
   if (!jump) {
     before_switch_out();
-    ::swapcontext(&fiber, &caller);
-  } else if (sigsetjmp(fiber_env, 0) == 0) {
+    ::swapcontext(&ctx, &caller);
+  } else if (sigsetjmp(env, 0) == 0) {
     before_switch_out();
     ::siglongjmp(caller_env, 1);
   }
-  // Resumed, perhaps by another thread.
+  // Resumed, perhaps by another thread, perhaps for another call.
 #ifdef COMMUX_ASAN
   __sanitizer_finish_switch_fiber(fake_stack, &caller_bottom, &caller_size);
 #endif
 }
 
-void Schedule::Impl::before_switch_out() {
+void Fiber::before_switch_out() {
 #ifdef COMMUX_ASAN
   __sanitizer_start_switch_fiber(&fake_stack, caller_bottom, caller_size);
 #endif
 #ifdef COMMUX_TSAN
   __tsan_switch_to_fiber(tsan_caller, 0);
 #endif
+}
+
+void Schedule::Impl::resume() {
+  Impl* const outer = t_current;
+  t_current = this;
+  fiber->switch_in();
+  t_current = outer;
+  if (returned) {
+    give_fiber(fiber);
+    fiber = nullptr;
+    done.store(true, std::memory_order_release);
+  }
 }
 
 namespace detail {
@@ -306,7 +366,7 @@ __attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on, Clo
   }
   s->wake.store(ticks(wake), std::memory_order_release);
   s->since.store(ticks(since), std::memory_order_release);
-  s->switch_out();
+  s->fiber->switch_out();
   std::lock_guard<std::mutex> g(s->wmu);
   s->waiting = Request();
 }
@@ -316,21 +376,10 @@ __attribute__((noinline)) void suspend(Schedule::Impl* s, const Request& on, Clo
 Schedule::Schedule(std::function<void()> call) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.call = std::move(call);
-  s.jump = detail::fiber_switch_jumps();
-  s.mapping = take_stack();
-  s.stack = static_cast<char*>(s.mapping) + page_size();
-  ::getcontext(&s.fiber);
-  s.fiber.uc_stack.ss_sp = s.stack;
-  s.fiber.uc_stack.ss_size = kStackBytes;
-  s.fiber.uc_link = nullptr;  // entry() never returns: it switches back itself
-  const auto p = reinterpret_cast<std::uintptr_t>(&s);
-  ::makecontext(&s.fiber, reinterpret_cast<void (*)()>(&Impl::entry), 2,
-                static_cast<unsigned>(p >> 32), static_cast<unsigned>(p & 0xffffffffu));
-#ifdef COMMUX_TSAN
-  s.tsan_fiber = __tsan_create_fiber(0);
-#endif
+  s.fiber = take_fiber(detail::fiber_switch_jumps());
+  s.fiber->current = &s;
   s.busy.store(true, std::memory_order_relaxed);
-  s.switch_in();
+  s.resume();
   s.busy.store(false, std::memory_order_release);
 }
 
@@ -365,7 +414,7 @@ bool Schedule::test() {
   if (!ready()) return false;
   bool expected = false;
   if (!s.busy.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return false;
-  if (!s.done.load(std::memory_order_acquire)) s.switch_in();
+  if (!s.done.load(std::memory_order_acquire)) s.resume();
   s.busy.store(false, std::memory_order_release);
   return s.done.load(std::memory_order_acquire);
 }
@@ -376,7 +425,7 @@ bool Schedule::run_to_end() {
   if (!s.busy.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return false;
   if (!s.done.load(std::memory_order_acquire)) {
     s.blocking.store(true, std::memory_order_release);
-    s.switch_in();  // returns once the call has returned: no wait suspends it now
+    s.resume();  // returns once the call has returned: no wait suspends it now
   }
   s.busy.store(false, std::memory_order_release);
   return true;
