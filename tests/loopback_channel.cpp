@@ -37,7 +37,7 @@ struct LoopbackWorld::OpState final : detail::RequestState {
   explicit OpState(std::shared_ptr<Op> o) : op(std::move(o)) {}
   bool test() override { return op->finished.load(); }
   void wait_for(std::chrono::milliseconds timeout) override { op->world->wait(*op, timeout); }
-  bool await(std::chrono::milliseconds timeout, bool /*spin*/) override {
+  bool await(std::chrono::milliseconds timeout, bool /*spin*/, bool /*goes_on*/) override {
     return op->world->await(*op, timeout);
   }
   void request_cancel() override { op->world->cancel(*op); }

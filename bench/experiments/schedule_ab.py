@@ -117,6 +117,9 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--passes", type=int, default=10)
     p.add_argument("--launches", type=int, default=2, help="launches of each variant, alternated")
+    p.add_argument("--per-launch", action="store_true",
+                   help="also print each launch's ratios to its blocking figure, sorted (the "
+                        "patterns that are bimodal from launch to launch show as two groups)")
     p.add_argument("--variant", action="append", default=[],
                    help="LABEL:NAME=VALUE,... (repeatable): measure these instead")
     a = p.parse_args()
@@ -168,6 +171,12 @@ def main():
             ratio = statistics.median(f[m] / f["blocking"] for f in figures[label])
             cells.append(f"{us:.1f} ({ratio:.2f})")
         print(f"| {m} | " + " | ".join(cells) + " |")
+    if a.per_launch:
+        print("each launch's ratio to its blocking figure, sorted:")
+        for m in MODES[1:]:
+            for label in labels:
+                rs = sorted(f[m] / f["blocking"] for f in figures[label])
+                print(f"  {m:8s} {label:16s} " + " ".join(f"{r:.2f}" for r in rs))
     print(f"#wrong: {wrong}")
     return 1 if wrong else 0
 

@@ -259,7 +259,9 @@ class Schedule {
   // for meanwhile); true when done. Rethrows what the call threw.
   bool wait(std::chrono::milliseconds timeout);
   // Blocks until what it waits for finishes, its next check is due, or `max` has passed, without
-  // resuming it (a driver of several schedules sleeps on one of them this way).
+  // resuming it (a driver of several schedules sleeps on one of them this way). Made for a
+  // thread that resumes schedules right after: other transfers in flight stay its to progress
+  // (the core's progress thread takes them up only once it has been idle a while).
   void await(std::chrono::microseconds max) const noexcept;
   // What the call threw, once done (nullptr: it returned).
   std::exception_ptr error() const noexcept;

@@ -176,6 +176,7 @@ Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
 
 Exchange::~Exchange() {
   abort();
+  if (handed_) chan_->hand_back();
   for (auto& sc : scratch_) {
     if (sc.device != nullptr) {
       ctx_.device->release(sc.device);
@@ -263,7 +264,10 @@ void Exchange::wait(std::size_t id) {
     }
     if (st != nullptr && left > kFirstCheck) {
       for (bool first = true;; first = false) {
-        if (st->await(first ? kFirstCheck : kCheckEvery, first)) {
+        // (The call goes on after this wait: its end hands the other transfers in flight back,
+        // ~Exchange.)
+        handed_ = true;
+        if (st->await(first ? kFirstCheck : kCheckEvery, first, /*goes_on=*/true)) {
           left = std::chrono::milliseconds(0);  // finished: wait() below only reports it
           break;
         }
@@ -353,6 +357,9 @@ void Exchange::reduce(void* out, const void* a, const void* b, std::size_t count
   if (ctx_.device != nullptr) {
     ctx_.device->reduce(out, a, b, count, t, op);
   } else {
+    // A long reduction stops this thread's progress for a while: the transfers still in flight
+    // (a rendezvous send the peer waits for) move on in the background meanwhile.
+    if (handed_ && count * dtype_size(t) >= kLongReduceBytes) chan_->hand_back();
     reduce_into(out, a, b, count, t, op);
   }
 }

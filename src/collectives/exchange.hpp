@@ -154,6 +154,10 @@ class Exchange {
   CallId id_;
   std::uint32_t wire_ = 0;  // the user field of this call's tags
   bool notified_ = false;
+  bool handed_ = false;
+  // A host reduction this long hands the transfers in flight back first (reduce()).
+  static constexpr std::size_t kLongReduceBytes =
+      std::size_t{4} << 20;  // a wait kept other transfers in flight to this thread (hand_back())
   int rank_;
   int size_;
   Clock::time_point deadline_ = Clock::time_point::max();  // max: not yet set (deadline())

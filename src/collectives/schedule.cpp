@@ -463,8 +463,10 @@ void Schedule::await(std::chrono::microseconds max) const noexcept {
   const Clock::time_point since{Clock::duration(s.since.load(std::memory_order_acquire))};
   const bool spin = now - since < detail::kSpinningWait;
   try {
+    // (A driver resumes what it slept on next: the transfers still in flight stay its to
+    // progress, not the progress thread's: goes_on.)
     ::commux::detail::state_of(on)->await(std::chrono::ceil<std::chrono::milliseconds>(until - now),
-                                          spin);
+                                          spin, /*goes_on=*/true);
   } catch (...) {
     // A test channel's deadlock report: the call itself fails at its next check or deadline.
   }

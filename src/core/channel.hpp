@@ -49,8 +49,10 @@ class RequestState {
   virtual void wait_for(std::chrono::milliseconds timeout) = 0;
   // Returns whether the operation finished within `timeout` (false: it stays posted). Never
   // throws for a timeout or the operation's failure; `spin` false: sleep at once (a waiter that
-  // already spun for this operation).
-  virtual bool await(std::chrono::milliseconds timeout, bool spin) = 0;
+  // already spun for this operation). `goes_on`: the waiter progresses the channel again right
+  // after (a driver of schedules resumes the call it waited for), so it does not hand the
+  // progress of other transfers in flight to a background thread when this one finishes.
+  virtual bool await(std::chrono::milliseconds timeout, bool spin, bool goes_on) = 0;
   // Asks the channel to cancel; the operation then finishes with kCanceled unless it matched.
   virtual void request_cancel() = 0;
   virtual bool finished() const noexcept = 0;
@@ -102,6 +104,10 @@ class Channel {
   // (known once the communicator has connected): a thread of a rank's beyond its caller's can
   // then run without taking a CPU from a rank. The default says yes.
   virtual bool spare_cpus() const noexcept { return true; }
+  // A caller that waited with RequestState::await's `goes_on` has stopped progressing the channel
+  // (a collective call's end): whatever other transfers are still in flight move on in the
+  // background from now on. Never blocks or throws.
+  virtual void hand_back() noexcept {}
   // Posts one logical operation over `count` buffers. `name` ("isend", "send", ...) names it in
   // errors. fast_completion (sends): ask for local completion as early as the transport allows.
   // Validation errors (peer, buffers) throw Error(kInvalidArgument) before anything is posted.

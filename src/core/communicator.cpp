@@ -119,7 +119,9 @@ class DoneState final : public RequestState {
       : peer_(peer), bytes_(bytes), timeout_(timeout) {}
   bool test() override { return true; }
   void wait_for(std::chrono::milliseconds /*timeout*/) override {}
-  bool await(std::chrono::milliseconds /*timeout*/, bool /*spin*/) override { return true; }
+  bool await(std::chrono::milliseconds /*timeout*/, bool /*spin*/, bool /*goes_on*/) override {
+    return true;
+  }
   void request_cancel() override {}  // (too late: it was sent, as for a send that matched)
   bool finished() const noexcept override { return true; }
   int posted_peer() const noexcept override { return peer_; }

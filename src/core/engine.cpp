@@ -124,6 +124,7 @@ void Engine::resolve_yield() {
   }
   const int cpus = usable_cpus();
   spare_cpus_ = cpus > local;
+  keep_progress_ = cpus == local;
   if (options_.yield == Options::Yield::kAuto && local > cpus) options_.yield = Options::Yield::kOn;
   if (options_.yield == Options::Yield::kOff) worker_.set_yield_mode(Worker::YieldMode::kNever);
   if (options_.yield == Options::Yield::kOn) {

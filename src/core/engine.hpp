@@ -52,6 +52,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   int size() const noexcept override { return size_; }
   const Options& options() const noexcept override { return options_; }
   bool spare_cpus() const noexcept override { return spare_cpus_; }
+  void hand_back() noexcept override;
   const RuntimeInfo& info() const noexcept override { return info_; }
   Request post(Direction dir, const char* name, const Buffer* buffers, std::size_t count, int peer,
                TagKind kind, std::uint32_t tag, bool fast_completion) override;
@@ -82,7 +83,7 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
                               std::size_t count, int peer, TagKind tag_kind, std::uint32_t tag,
                               bool fast_completion, std::shared_ptr<Gate> gate = nullptr);
   void wait(Op& op, std::chrono::milliseconds timeout);
-  bool await(Op& op, std::chrono::milliseconds timeout, bool spin);
+  bool await(Op& op, std::chrono::milliseconds timeout, bool spin, bool goes_on);
   bool test(Op& op);
   void cancel(Op& op);
   // Fails `op` with `code` and `reason` (a peer failure): cancels its UCX requests (a receive UCX
@@ -165,6 +166,9 @@ class Engine final : public Channel, public std::enable_shared_from_this<Engine>
   Options options_;         // group: the id agreed in place(); read-only after the constructor
   RuntimeInfo info_;        // the Hub's, copied in the constructor, then read-only
   bool spare_cpus_ = true;  // set by resolve_yield(), then read-only (spare_cpus())
+  // As many CPUs as ranks on this host: a waiter that goes on keeps the transfers in flight to
+  // itself (await()). Set by resolve_yield(), then read-only.
+  bool keep_progress_ = false;
 
   Hub::Placement placement_;  // the shared Hub and this Engine's group id on it
   Worker& worker_;            // placement_.hub's

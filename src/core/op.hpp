@@ -119,7 +119,7 @@ struct Op final : RequestState {
   // RequestState
   bool test() override;
   void wait_for(std::chrono::milliseconds timeout) override;
-  bool await(std::chrono::milliseconds timeout, bool spin) override;
+  bool await(std::chrono::milliseconds timeout, bool spin, bool goes_on) override;
   void request_cancel() override;
   bool finished() const noexcept override { return done.load(); }
   int posted_peer() const noexcept override { return peer; }

@@ -406,7 +406,8 @@ bool Worker::yield_cpu() noexcept {
   return yield_gate_.record(t0, Clock::now());
 }
 
-bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin) {
+bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin,
+                  bool hand_back) {
   if (op.done.load()) return true;
   // A driver's wait (Channel::set_driver) on the progress thread: nobody else progresses.
   if (t_progress_thread) return wait_on_progress_thread(op, Clock::now() + timeout);
@@ -463,7 +464,14 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
     // switch per wait where threads outnumber cores (4 ranks on 2 cores: 8 B barrier 36 us with
     // the wake-up, 3.6 us without). Nor is it woken for nothing: only if a large transfer is in
     // flight, or a sleeping thread waits for it to progress while it stays off.
-    if (left == 0 && (inflight_large_.load() > 0 || (sleepers_.load() > 0 && parked_.load()))) {
+    // Not for a transfer in flight where the caller goes on progressing (`hand_back` false: a
+    // collective's waits, a driver of schedules, where the ranks have a CPU each and none to
+    // spare: Engine::await): each
+    // such wake-up took a CPU from a rank on the 2-core development VM (2 allreduces of 64 KiB
+    // in flight as schedules: 1.64x the time of 2 blocking ones with it, 1.04x without;
+    // bench/experiments/schedule_burst.cpp). The call's end hands them back (hand_back()).
+    if (left == 0 &&
+        ((hand_back && inflight_large_.load() > 0) || (sleepers_.load() > 0 && parked_.load()))) {
       kick();
     }
     return true;

@@ -132,8 +132,11 @@ class Worker {
   // Waits until `op` is done (or abandoned, see Op) or `timeout` passes (true: done or
   // abandoned): progresses once, spins for at least `spin` (longer for large messages; a negative
   // `spin`: not at all), then sleeps on the done condition while the progress thread progresses.
-  // Call without the lock.
-  bool wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin);
+  // `hand_back` false: the caller progresses the worker again right after (a driver of
+  // schedules), so the progress of other transfers in flight is not handed to the progress
+  // thread when `op` finishes (worker.cpp). Call without the lock.
+  bool wait(Op& op, std::chrono::milliseconds timeout, std::chrono::microseconds spin,
+            bool hand_back = true);
   // After setting an Op's done flag: wakes the threads sleeping in wait(), if any.
   void notify_done() {
     if (sleepers_.load() > 0) {
@@ -149,6 +152,11 @@ class Worker {
   void held_changed(int delta) noexcept { held_.fetch_add(delta); }
   // Wakes the progress thread (no lock needed).
   void kick() noexcept;
+  // Wakes the progress thread if a transfer above kBackgroundBytes is in flight and no caller
+  // spins: the end of a wait without `hand_back` (wait()).
+  void hand_back() noexcept {
+    if (inflight_large_.load() > 0 && spinners_.load() == 0) kick();
+  }
   // Wakes it only if it sleeps (or stays parked) for more than `late` from now: new work for a
   // thread that polls often anyway is not worth a wake-up (Channel::wake_driver).
   void wake_if_asleep(std::chrono::microseconds late) noexcept;
