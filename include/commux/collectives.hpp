@@ -260,8 +260,9 @@ class Schedule {
   bool wait(std::chrono::milliseconds timeout);
   // Blocks until what it waits for finishes, its next check is due, or `max` has passed, without
   // resuming it (a driver of several schedules sleeps on one of them this way). Made for a
-  // thread that resumes schedules right after: other transfers in flight stay its to progress
-  // (the core's progress thread takes them up only once it has been idle a while).
+  // thread that resumes schedules right after: where the host's ranks have a CPU each and none
+  // to spare, other transfers in flight stay its to progress, and the core's progress thread
+  // takes them up only at the end of its park (within 10 ms) once nobody waits.
   void await(std::chrono::microseconds max) const noexcept;
   // What the call threw, once done (nullptr: it returned).
   std::exception_ptr error() const noexcept;

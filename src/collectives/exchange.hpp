@@ -154,10 +154,11 @@ class Exchange {
   CallId id_;
   std::uint32_t wire_ = 0;  // the user field of this call's tags
   bool notified_ = false;
+  // A wait may have kept other transfers in flight to this thread: the call's end hands them
+  // back (Channel::hand_back()).
   bool handed_ = false;
   // A host reduction this long hands the transfers in flight back first (reduce()).
-  static constexpr std::size_t kLongReduceBytes =
-      std::size_t{4} << 20;  // a wait kept other transfers in flight to this thread (hand_back())
+  static constexpr std::size_t kLongReduceBytes = std::size_t{4} << 20;
   int rank_;
   int size_;
   Clock::time_point deadline_ = Clock::time_point::max();  // max: not yet set (deadline())
