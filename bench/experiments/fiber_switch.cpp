@@ -10,14 +10,11 @@
 //
 // Prints rank 0's median µs per call over the rounds of each mode, and the median of the rounds'
 // ratios jump / swapcontext. Every result is checked (a wrong sum fails the run).
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -26,6 +23,7 @@
 #include "commux/collectives.hpp"
 #include "commux/communicator.hpp"
 #include "commux/store.hpp"
+#include "forked_ranks.hpp"
 #include "schedule.hpp"
 
 namespace {
@@ -102,24 +100,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fiber_switch: this thread has a shadow stack: fibers never jump here\n");
     return 2;
   }
-  std::string dir = (std::filesystem::temp_directory_path() / "commux_fiber.XXXXXX").string();
-  if (::mkdtemp(dir.data()) == nullptr) return 2;
-  for (int r = 0; r < 2; ++r) {
-    if (::fork() == 0) {
-      int rc = 1;
-      try {
-        rc = rank_main(dir, r, rounds, calls);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      std::fflush(stdout);
-      ::_exit(rc);
-    }
-  }
-  int status = 0, bad = 0;
-  while (::wait(&status) > 0) {
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++bad;
-  }
-  std::filesystem::remove_all(dir);
-  return bad > 0 ? 1 : 0;
+  return commux_bench::run_forked_ranks(2, "commux_fiber", [&](const std::string& dir, int rank) {
+    return rank_main(dir, rank, rounds, calls);
+  });
 }

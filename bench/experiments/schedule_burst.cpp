@@ -16,14 +16,11 @@
 // for profiling one way alone). Prints rank 0's median µs per pass of K calls for each way and the medians of the rounds'
 // ratios to blocking (below 1: the calls in flight overlapped). Every result is checked (a wrong
 // sum fails the run).
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -32,6 +29,7 @@
 #include "commux/collectives.hpp"
 #include "commux/communicator.hpp"
 #include "commux/store.hpp"
+#include "forked_ranks.hpp"
 
 namespace {
 
@@ -155,24 +153,7 @@ int main(int argc, char** argv) {
                  "usage: schedule_burst [BYTES>=4] [K>=1] [ROUNDS>=1] [PASSES>=1] [WAYS]\n");
     return 2;
   }
-  std::string dir = (std::filesystem::temp_directory_path() / "commux_burst.XXXXXX").string();
-  if (::mkdtemp(dir.data()) == nullptr) return 2;
-  for (int r = 0; r < 2; ++r) {
-    if (::fork() == 0) {
-      int rc = 1;
-      try {
-        rc = rank_main(dir, r, a);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      std::fflush(stdout);
-      ::_exit(rc);
-    }
-  }
-  int status = 0, bad = 0;
-  while (::wait(&status) > 0) {
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++bad;
-  }
-  std::filesystem::remove_all(dir);
-  return bad > 0 ? 1 : 0;
+  return commux_bench::run_forked_ranks(2, "commux_burst", [&](const std::string& dir, int rank) {
+    return rank_main(dir, rank, a);
+  });
 }
