@@ -12,10 +12,11 @@
 //   UCX_NET_DEVICES=lo build/bench/schedule_burst [BYTES] [K] [ROUNDS] [PASSES] [WAYS]
 //                                     (default 65536 8 20 20 bid)
 //
-// WAYS: which ways run, of b(locking), i(norder) and d(rive) (ratios to a way not run mean nothing;
-// for profiling one way alone). Prints rank 0's median µs per pass of K calls for each way and the medians of the rounds'
-// ratios to blocking (below 1: the calls in flight overlapped). Every result is checked (a wrong
-// sum fails the run).
+// WAYS: which ways run, of b(locking), i(norder) and d(rive) (ratios to a way not run mean
+// nothing; for profiling one way alone). A pass's time is its calls' alone: the inputs' refill
+// and the results' check are outside it. Prints rank 0's median µs per pass of K calls for each
+// way and the medians of the rounds' ratios to blocking (below 1: the calls in flight
+// overlapped). Every result is checked (a wrong sum fails the run).
 
 #include <algorithm>
 #include <chrono>
@@ -67,16 +68,19 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
       for (float x : b) wrong += x != 3.0f;
     }
   };
-  // way 0: blocking; 1: inorder; 2: drive
+  // way 0: blocking; 1: inorder; 2: drive. Returns the µs of the calls alone (from the first
+  // call to the last one's end, schedules destroyed): not the refill and the check around them.
   auto pass = [&](int way) {
     for (auto& b : bufs) std::fill(b.begin(), b.end(), static_cast<float>(rank + 1));
+    const auto t0 = Clock::now();
     if (way == 0) {
       for (auto& b : bufs) {
         commux::coll::allreduce(context(), b.data(), n, commux::DataType::kFloat32,
                                 commux::ReduceOp::kSum);
       }
+      const auto t1 = Clock::now();
       check();
-      return;
+      return std::chrono::duration<double, std::micro>(t1 - t0).count();
     }
     std::vector<std::unique_ptr<commux::coll::Schedule>> s;
     for (auto& b : bufs) {
@@ -108,12 +112,15 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
         if (x->error()) std::rethrow_exception(x->error());
       }
     }
+    s.clear();
+    const auto t1 = Clock::now();
     check();
+    return std::chrono::duration<double, std::micro>(t1 - t0).count();
   };
   auto run = [&](int way) {
-    const auto t0 = Clock::now();
-    for (int p = 0; p < a.passes; ++p) pass(way);
-    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / a.passes;
+    double us = 0;
+    for (int p = 0; p < a.passes; ++p) us += pass(way);
+    return us / a.passes;
   };
   std::vector<double> t[3], ratio[3];
   for (int r = 0; r < a.rounds + 1; ++r) {  // round 0 warms up

@@ -467,9 +467,9 @@ bool Worker::wait(Op& op, std::chrono::milliseconds timeout, std::chrono::micros
     // Not for a transfer in flight where the caller goes on progressing (`hand_back` false: a
     // collective's waits, a driver of schedules, where the ranks have a CPU each and none to
     // spare: Engine::await): each such wake-up took a CPU from a rank on the 2-core development
-    // VM (2 allreduces of 64 KiB in flight as schedules: 1.64x the time of 2 blocking ones with
-    // it, 1.04x without; bench/experiments/schedule_burst.cpp). The call's end hands them back
-    // (hand_back()).
+    // VM (8 allreduces of 64 KiB in flight as schedules: 1.98-2.77x the time of 8 blocking ones
+    // with it, 1.37-1.51x without; bench/experiments/schedule_burst.cpp). The call's end hands
+    // them back (hand_back()).
     if (left == 0 &&
         ((hand_back && inflight_large_.load() > 0) || (sleepers_.load() > 0 && parked_.load()))) {
       kick();
