@@ -263,10 +263,10 @@ void Exchange::wait(std::size_t id) {
       left = remaining(now);
     }
     if (st != nullptr && left > kFirstCheck) {
+      // (The call goes on after this wait: its end hands the other transfers in flight back,
+      // ~Exchange.)
+      handed_ = true;
       for (bool first = true;; first = false) {
-        // (The call goes on after this wait: its end hands the other transfers in flight back,
-        // ~Exchange.)
-        handed_ = true;
         if (st->await(first ? kFirstCheck : kCheckEvery, first, /*goes_on=*/true)) {
           left = std::chrono::milliseconds(0);  // finished: wait() below only reports it
           break;
