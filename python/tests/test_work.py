@@ -261,6 +261,37 @@ def test_many_async_collectives_in_flight(ranks, ws):
     ranks.run(_many_in_flight, timeout=60)
 
 
+def _schedule_futures_two_at_once(ctx):
+    """Bursts of 8 async all_reduces of 256 KiB, issued back to back and their futures waited in
+    turn (DDP's buckets), on a group whose collectives run as schedules two at once
+    (COMMUX_SCHEDULE=1, COMMUX_INFLIGHT=2; so do larger ones under auto, whose byte window lets
+    two of 256 KiB run together) and whose timeout is 20 s. Nobody resumes these schedules but
+    the group's pool threads: one runs the earliest to its end, and a second one, which only
+    yielded while another thread ran the earliest, left the later ones unresumed; a peer
+    waiting in the later one for this rank left both ranks waiting until the timeout (in each
+    of 9 runs on the development VM: 6 of a loop like this one, after 27 to 273 bursts, and 3
+    of this test). Every result is checked."""
+    W, me = ctx.world, ctx.rank
+    g = group_with({"COMMUX_SCHEDULE": "1", "COMMUX_INFLIGHT": "2"}, timeout=timedelta(seconds=20))
+    xs = [torch.empty(65536) for _ in range(8)]
+    for it in range(1000):
+        for i, x in enumerate(xs):
+            x.fill_(float(me + i + it))
+        works = [dist.all_reduce(x, async_op=True, group=g) for x in xs]
+        for w in works:
+            w.get_future().wait()
+        for i, x in enumerate(xs):
+            want = float(sum(r + i + it for r in range(W)))
+            if not bool((x == want).all()):
+                check_equal(f"burst {it} all_reduce #{i}", x, torch.full_like(x, want))
+    return 1000
+
+
+@worlds(2)
+def test_schedule_futures_two_at_once_never_deadlock(ranks, ws):
+    ranks.run(_schedule_futures_two_at_once, timeout=120)
+
+
 def _random_waits(ctx):
     """Async collectives with blocking ones between them, each rank waiting for the async ones in
     its own random order (a wait may run the collective and every one queued before it on the

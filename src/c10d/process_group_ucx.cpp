@@ -372,15 +372,25 @@ void ProcessGroupUCX::Impl::serve() {
         }
       }
       if (first == nullptr) continue;
-      first->pool_runs.store(true, std::memory_order_release);
-      if (first->sched->run_to_end()) {
-        complete_schedule(first);
-        idle = 0;
-      } else {  // a waiter is running a step of it
-        first->pool_runs.store(false, std::memory_order_release);
-        idle = idle + 1;
-        await_schedules(schedule_slice(idle));
+      // (Only the thread that marks it runs it to its end: another pool thread of the group may
+      // be running it so already.)
+      bool marked = false;
+      if (first->pool_runs.compare_exchange_strong(marked, true, std::memory_order_acq_rel)) {
+        if (first->sched->run_to_end()) {
+          complete_schedule(first);
+          idle = 0;
+          continue;
+        }
+        first->pool_runs.store(false, std::memory_order_release);  // a waiter runs a step of it
       }
+      // Another thread runs the first one (a waiter's step, or another pool thread to its end,
+      // which may wait there for a peer that waits for a later one of these): step the later
+      // ones that are ready, as a waiter does, rather than spin until the first one ends. Two
+      // pool threads of a group with 2 schedules in flight (COMMUX_INFLIGHT=2) and 8 futures
+      // waited in turn deadlocked until the call's timeout without this: each rank's first
+      // thread ran a different collective to its end, and the second only yielded.
+      idle = resume_schedules() ? 0 : idle + 1;
+      if (idle > 0) await_schedules(schedule_slice(idle));
       continue;
     }
     if (t->schedulable) {
