@@ -6,13 +6,16 @@
 //             the one waited for is resumed, the others' posted messages move meanwhile);
 //   drive     K schedules started back to back, then one thread resumes whichever is ready
 //             (test()) and sleeps on the first unfinished one (await()), as a driver of several
-//             schedules does.
+//             schedules does;
+//   serial    K schedules one at a time, each started once the one before it is done and then
+//             waited (Schedule::wait): what a schedule costs beyond the blocking call with
+//             nothing else in flight, apart from what several in flight cost each other.
 //
 //   scripts/build.sh build            (builds it as build/bench/schedule_burst)
 //   UCX_NET_DEVICES=lo build/bench/schedule_burst [BYTES] [K] [ROUNDS] [PASSES] [WAYS]
-//                                     (default 65536 8 20 20 bid)
+//                                     (default 65536 8 20 20 bids)
 //
-// WAYS: which ways run, of b(locking), i(norder) and d(rive) (ratios to a way not run mean
+// WAYS: which ways run, of b(locking), i(norder), d(rive) and s(erial) (ratios to a way not run mean
 // nothing; for profiling one way alone). A pass's time is its calls' alone: the inputs' refill
 // and the results' check are outside it. Prints rank 0's median µs per pass of K calls for each
 // way and the medians of the rounds' ratios to blocking (below 1: the calls in flight
@@ -46,7 +49,7 @@ struct Args {
   int k = 8;
   int rounds = 20;
   int passes = 20;
-  std::string ways = "bid";  // which ways run (b blocking, i inorder, d drive)
+  std::string ways = "bids";  // which ways run (b blocking, i inorder, d drive, s serial)
 };
 
 int rank_main(const std::string& dir, int rank, const Args& a) {
@@ -68,7 +71,7 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
       for (float x : b) wrong += x != 3.0f;
     }
   };
-  // way 0: blocking; 1: inorder; 2: drive. Returns the µs of the calls alone (from the first
+  // way 0: blocking; 1: inorder; 2: drive; 3: serial. Returns the µs of the calls alone (from the first
   // call to the last one's end, schedules destroyed): not the refill and the check around them.
   auto pass = [&](int way) {
     for (auto& b : bufs) std::fill(b.begin(), b.end(), static_cast<float>(rank + 1));
@@ -83,6 +86,22 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
       return std::chrono::duration<double, std::micro>(t1 - t0).count();
     }
     std::vector<std::unique_ptr<commux::coll::Schedule>> s;
+    if (way == 3) {
+      for (std::size_t i = 0; i < bufs.size(); ++i) {
+        auto c = context();
+        float* p = bufs[i].data();
+        commux::coll::Schedule one([c, p, n] {
+          commux::coll::allreduce(c, p, n, commux::DataType::kFloat32, commux::ReduceOp::kSum);
+        });
+        if (!one.wait(std::chrono::seconds(30))) {
+          throw std::runtime_error("allreduce " + std::to_string(i) +
+                                   " did not finish within 30 s");
+        }
+      }
+      const auto t1 = Clock::now();
+      check();
+      return std::chrono::duration<double, std::micro>(t1 - t0).count();
+    }
     for (auto& b : bufs) {
       auto c = context();
       float* p = b.data();
@@ -122,14 +141,14 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
     for (int p = 0; p < a.passes; ++p) us += pass(way);
     return us / a.passes;
   };
-  std::vector<double> t[3], ratio[3];
+  std::vector<double> t[4], ratio[4];
   for (int r = 0; r < a.rounds + 1; ++r) {  // round 0 warms up
-    double us[3] = {1, 1, 1};
-    for (int way : {0, 1, 2}) {
-      if (a.ways.find("bid"[way]) != std::string::npos) us[way] = run(way);
+    double us[4] = {1, 1, 1, 1};
+    for (int way : {0, 1, 2, 3}) {
+      if (a.ways.find("bids"[way]) != std::string::npos) us[way] = run(way);
     }
     if (r == 0) continue;
-    for (int way : {0, 1, 2}) {
+    for (int way : {0, 1, 2, 3}) {
       t[way].push_back(us[way]);
       ratio[way].push_back(us[way] / us[0]);
     }
@@ -137,10 +156,11 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
   if (rank == 0) {
     std::printf(
         "2 ranks, %d allreduces of %zu B per pass, %d rounds of %d passes; µs per pass "
-        "(rank 0, median):\n  blocking %.1f | inorder %.1f | drive %.1f | inorder / blocking "
-        "%.3f | drive / blocking %.3f (medians of the rounds' ratios)\n",
+        "(rank 0, median):\n  blocking %.1f | inorder %.1f | drive %.1f | serial %.1f | inorder / "
+        "blocking %.3f | drive / blocking %.3f | serial / blocking %.3f (medians of the rounds' "
+        "ratios)\n",
         a.k, n * sizeof(float), a.rounds, a.passes, median(t[0]), median(t[1]), median(t[2]),
-        median(ratio[1]), median(ratio[2]));
+        median(t[3]), median(ratio[1]), median(ratio[2]), median(ratio[3]));
   }
   if (wrong > 0) std::fprintf(stderr, "rank %d: %ld wrong elements\n", rank, wrong);
   return wrong > 0 ? 1 : 0;

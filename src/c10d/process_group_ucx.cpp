@@ -183,6 +183,7 @@ ProcessGroupUCX::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   // Schedules hold no thread while they wait, so auto lets more of them run at once; an explicit
   // COMMUX_INFLIGHT bounds them too.
   sched_limit_ = settings.inflight > 0 ? settings.inflight : kScheduleLimit;
+  sched_bytes_ = settings.inflight > 0 ? 0 : kScheduleBytes;
   gate_ = std::make_shared<c10d_detail::RunnerGate>();
   gate_->runner = this;
   if (schedules_ && settings.progress_resumes) {
@@ -618,7 +619,9 @@ bool ProcessGroupUCX::Impl::can_start_locked(const Task& t) const {
   if (running_.empty()) return true;
   if (t.alone || static_cast<int>(running_.size()) >= (t.schedulable ? sched_limit_ : inflight_))
     return false;
+  std::size_t bytes = t.bytes;
   for (const Task* r : running_) {
+    bytes += r->bytes;
     if (r->alone) return false;
     for (const auto& a : r->spans) {
       for (const auto& b : t.spans) {
@@ -626,7 +629,7 @@ bool ProcessGroupUCX::Impl::can_start_locked(const Task& t) const {
       }
     }
   }
-  return true;
+  return !t.schedulable || sched_bytes_ == 0 || bytes <= sched_bytes_;
 }
 
 bool ProcessGroupUCX::Impl::needs_server_locked() {
@@ -818,6 +821,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
   // worker and the peers for nothing.
   std::size_t bytes = 0;
   for (const auto& o : t->outputs) bytes += nbytes(o);
+  // (A schedule's byte window counts what it moves: the larger of its outputs and its inputs,
+  // so that a reduce_scatter counts its input.)
+  std::size_t in_bytes = 0;
+  for (const auto& x : t->keep_alive) in_bytes += nbytes(x);
+  t->bytes = std::max(bytes, in_bytes);
   const bool small = bytes <= kSpinWaitBytes;
   bool submit = false;
   bool here = false;
