@@ -15,11 +15,11 @@
 //   UCX_NET_DEVICES=lo build/bench/schedule_burst [BYTES] [K] [ROUNDS] [PASSES] [WAYS]
 //                                     (default 65536 8 20 20 bids)
 //
-// WAYS: which ways run, of b(locking), i(norder), d(rive) and s(erial) (ratios to a way not run mean
-// nothing; for profiling one way alone). A pass's time is its calls' alone: the inputs' refill
-// and the results' check are outside it. Prints rank 0's median µs per pass of K calls for each
-// way and the medians of the rounds' ratios to blocking (below 1: the calls in flight
-// overlapped). Every result is checked (a wrong sum fails the run).
+// WAYS: which ways run, of b(locking), i(norder), d(rive) and s(erial) (ratios to a way not run
+// mean nothing; for profiling one way alone). A pass's time is its calls' alone: the inputs' refill
+// and the results' check are outside it. Prints rank 0's median µs per pass of K calls for each way
+// and the medians of the rounds' ratios to blocking (below 1: the calls in flight overlapped).
+// Every result is checked (a wrong sum fails the run).
 
 #include <algorithm>
 #include <chrono>
@@ -71,8 +71,9 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
       for (float x : b) wrong += x != 3.0f;
     }
   };
-  // way 0: blocking; 1: inorder; 2: drive; 3: serial. Returns the µs of the calls alone (from the first
-  // call to the last one's end, schedules destroyed): not the refill and the check around them.
+  // way 0: blocking; 1: inorder; 2: drive; 3: serial. Returns the µs of the calls alone (from the
+  // first call to the last one's end, schedules destroyed): not the refill and the check around
+  // them.
   auto pass = [&](int way) {
     for (auto& b : bufs) std::fill(b.begin(), b.end(), static_cast<float>(rank + 1));
     const auto t0 = Clock::now();

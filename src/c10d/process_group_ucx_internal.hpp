@@ -46,12 +46,12 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // Schedules in flight at once under COMMUX_INFLIGHT=auto; the most COMMUX_INFLIGHT allows; how
   // long a thread resuming schedules sleeps on one of them before it looks at all of them again.
   static constexpr int kScheduleLimit = 16;
-  // Under COMMUX_INFLIGHT=auto, a schedule starts beside running ones only while their bytes
-  // and its own (Task::bytes) come to at most this: bandwidth-bound collectives in flight at once only
-  // take turns on the same copies and evict each other's data from the caches. Through the C++
-  // API on 2 ranks (bench/experiments/schedule_burst.cpp, 8 allreduces), 8 schedules in flight
-  // at once against one at a time: 64 KiB 1.03x against 1.04-1.10x blocking's time, 128 KiB
-  // 1.26x against 1.11x, 256 KiB 1.33x against 1.02x, 1 MiB 1.32x against 1.05x.
+  // Under COMMUX_INFLIGHT=auto, a schedule starts beside running ones only while their bytes and
+  // its own (Task::bytes) come to at most this: bandwidth-bound collectives in flight at once only
+  // take turns on the same copies and evict each other's data from the caches. Through the C++ API
+  // on 2 ranks (bench/experiments/schedule_burst.cpp, 8 allreduces), 8 schedules in flight at once
+  // against one at a time: 64 KiB 1.03x against 1.04-1.10x blocking's time, 128 KiB 1.26x against
+  // 1.11x, 256 KiB 1.33x against 1.02x, 1 MiB 1.32x against 1.05x.
   static constexpr std::size_t kScheduleBytes = std::size_t{512} << 10;
   static constexpr std::size_t kMaxInflight = 64;
   static constexpr std::chrono::microseconds kScheduleSlice{1000};
