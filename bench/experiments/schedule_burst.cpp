@@ -74,51 +74,36 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
   // way 0: blocking; 1: inorder; 2: drive; 3: serial. Returns the µs of the calls alone (from the
   // first call to the last one's end, schedules destroyed): not the refill and the check around
   // them.
+  // One allreduce of `p` started as a schedule; waiting for one (Schedule::wait, bounded).
+  auto start = [&](float* p) {
+    auto c = context();
+    return std::make_unique<commux::coll::Schedule>([c, p, n] {
+      commux::coll::allreduce(c, p, n, commux::DataType::kFloat32, commux::ReduceOp::kSum);
+    });
+  };
+  auto wait_one = [](commux::coll::Schedule& x, std::size_t i) {
+    if (!x.wait(std::chrono::seconds(30))) {
+      throw std::runtime_error("allreduce " + std::to_string(i) + " did not finish within 30 s");
+    }
+  };
   auto pass = [&](int way) {
     for (auto& b : bufs) std::fill(b.begin(), b.end(), static_cast<float>(rank + 1));
     const auto t0 = Clock::now();
+    std::vector<std::unique_ptr<commux::coll::Schedule>> s;
     if (way == 0) {
       for (auto& b : bufs) {
         commux::coll::allreduce(context(), b.data(), n, commux::DataType::kFloat32,
                                 commux::ReduceOp::kSum);
       }
-      const auto t1 = Clock::now();
-      check();
-      return std::chrono::duration<double, std::micro>(t1 - t0).count();
-    }
-    std::vector<std::unique_ptr<commux::coll::Schedule>> s;
-    if (way == 3) {
-      for (std::size_t i = 0; i < bufs.size(); ++i) {
-        auto c = context();
-        float* p = bufs[i].data();
-        commux::coll::Schedule one([c, p, n] {
-          commux::coll::allreduce(c, p, n, commux::DataType::kFloat32, commux::ReduceOp::kSum);
-        });
-        if (!one.wait(std::chrono::seconds(30))) {
-          throw std::runtime_error("allreduce " + std::to_string(i) +
-                                   " did not finish within 30 s");
-        }
-      }
-      const auto t1 = Clock::now();
-      check();
-      return std::chrono::duration<double, std::micro>(t1 - t0).count();
-    }
-    for (auto& b : bufs) {
-      auto c = context();
-      float* p = b.data();
-      s.push_back(std::make_unique<commux::coll::Schedule>([c, p, n] {
-        commux::coll::allreduce(c, p, n, commux::DataType::kFloat32, commux::ReduceOp::kSum);
-      }));
+    } else if (way == 3) {
+      for (std::size_t i = 0; i < bufs.size(); ++i) wait_one(*start(bufs[i].data()), i);
+    } else {
+      for (auto& b : bufs) s.push_back(start(b.data()));
     }
     const auto until = Clock::now() + std::chrono::seconds(30);
     if (way == 1) {
-      for (std::size_t i = 0; i < s.size(); ++i) {
-        if (!s[i]->wait(std::chrono::seconds(30))) {
-          throw std::runtime_error("allreduce " + std::to_string(i) + " of the burst did not " +
-                                   "finish within 30 s");
-        }
-      }
-    } else {
+      for (std::size_t i = 0; i < s.size(); ++i) wait_one(*s[i], i);
+    } else if (way == 2) {
       for (;;) {
         const commux::coll::Schedule* first = nullptr;
         for (auto& x : s) {

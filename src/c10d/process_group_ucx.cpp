@@ -822,10 +822,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
   std::size_t bytes = 0;
   for (const auto& o : t->outputs) bytes += nbytes(o);
   // (A schedule's byte window counts what it moves: the larger of its outputs and its inputs,
-  // so that a reduce_scatter counts its input.)
-  std::size_t in_bytes = 0;
-  for (const auto& x : t->keep_alive) in_bytes += nbytes(x);
-  t->bytes = std::max(bytes, in_bytes);
+  // so that a reduce_scatter counts its input. Only schedules read it.)
+  if (t->schedulable) {
+    std::size_t in_bytes = 0;
+    for (const auto& x : t->keep_alive) in_bytes += nbytes(x);
+    t->bytes = std::max(bytes, in_bytes);
+  }
   const bool small = bytes <= kSpinWaitBytes;
   bool submit = false;
   bool here = false;

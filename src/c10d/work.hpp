@@ -161,7 +161,7 @@ struct Task {
   // alone (a barrier, a device or sparse collective, one without tensors).
   c10::SmallVector<std::pair<std::uintptr_t, std::uintptr_t>, 2> spans;  // (no allocation)
   bool alone = false;
-  std::size_t bytes = 0;  // what it moves (its outputs' or inputs' bytes, the larger)
+  std::size_t bytes = 0;  // a schedule's: what it moves (outputs' or inputs' bytes, the larger)
   // A CPU collective that runs as a coll::Schedule once started (docs/torch-backend.md, "Where a
   // collective runs"); sched is set by the thread that starts it, under the group's lock, and
   // reset by the one that completes it. completing: that thread claimed the completion.
