@@ -894,6 +894,7 @@ def _blocking_results(ctx):
 
     t = torch.full((5,), float(me + 1))
     w = pg.allreduce([t], opts(False))
+    out["state"] = [w.is_completed(), w.is_success(), w.exception() is None]
     w.wait()
     r = w.result()
     out["same"] = len(r) == 1 and r[0].data_ptr() == t.data_ptr()
@@ -918,6 +919,16 @@ def _blocking_results(ctx):
     check_equal("async all_reduce: result() of a tensor only the Work holds", w.result()[0],
                 torch.full((7,), tri))
     check_equal("async all_reduce: its future", w.get_future().wait()[0], torch.full((7,), tri))
+
+    # A blocking call that fails (the ranks disagree on the size) returns a finished Work that
+    # reports the failure (pg.allreduce: torch's Python would wait and raise at once).
+    w = pg.allreduce([torch.ones(4 + me)], opts(False))
+    out["failed_state"] = [w.is_completed(), w.is_success(), w.exception() is not None]
+    out["failed_wait"] = expect_raises(w.wait)
+    out["failed_future"] = expect_raises(lambda: w.get_future().wait())
+    x = torch.full((3,), float(me + 1))
+    dist.all_reduce(x)
+    check_equal("blocking all_reduce after a failed one", x, torch.full((3,), tri))
     return out
 
 
@@ -926,7 +937,13 @@ def _blocking_results(ctx):
 def test_a_blocking_calls_work_holds_its_outputs_weakly(ranks, ws):
     for rank, r in enumerate(ranks.run(_blocking_results, timeout=60)):
         assert r["same"], (rank, r)
+        assert r["state"] == [True, True, True], (rank, "completed, succeeded, no exception", r)
         assert r["freed"], (rank, "the finished blocking call's Work kept its tensor alive", r)
+        assert r["failed_state"] == [True, False, True], (rank, "completed, failed, its exception", r)
+        for what in ("failed_wait", "failed_future"):
+            got = r[what]
+            assert got["raised"] and got["runtime_or_value"], (rank, what, got)
+            assert "allreduce" in got["msg"] and "4" in got["msg"] and "5" in got["msg"], (rank, what, got)
         for what in ("result", "future", "future_again"):
             got = r[what]
             assert got["raised"] and got["type"] == "ValueError", (rank, what, got)

@@ -775,10 +775,98 @@ std::chrono::milliseconds ProcessGroupUCX::Impl::effective(
   return op_timeout.count() > 0 ? op_timeout : timeout_;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::run_now(
+    c10d::OpType type, const char* op_name, std::chrono::milliseconds op_timeout,
+    std::vector<at::Tensor>& keep_alive, std::vector<at::Tensor>& outputs, Body& body,
+    std::uint32_t ntags, int root) {
+  Task t;
+  const auto limit = effective(op_timeout);
+  const auto issued_at = Clock::now();
+  std::size_t bytes = 0;
+  for (const auto& o : outputs) bytes += nbytes(o);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) {
+      invalid(op_name, "the process group has been shut down");
+    }
+    if (!queue_.empty() || !running_.empty()) return {};
+    // What running_'s readers (can_start_locked, check_notices, shutdown) read of it, set before
+    // it is listed. Nothing starts beside it (alone): its spans are never filled.
+    t.op_name = op_name;
+    t.type = type;
+    t.tag = next_tag_;
+    t.ntags = ntags;
+    t.alone = true;
+    t.started_at_issue = true;
+    next_tag_ += ntags;
+    ++collectives_issued_;
+    arrivals_.fetch_add(1, std::memory_order_release);
+    recorder_->issued(t.tag, op_name, bytes, root, issued_at, true);
+    running_.push_back(&t);
+    ++waiters_in_;  // enter()
+  }
+  // Unlisted, and the group told, on every way out (before `t` goes).
+  struct Ran {
+    Impl* g;
+    Task* t;
+    ~Ran() { g->ran_now(*t); }
+  } ran{this, &t};
+  t.deadline = issued_at + limit;
+  t.keep_alive = std::move(keep_alive);
+  t.outputs = std::move(outputs);
+  t.body = std::move(body);
+  const auto interrupts = c10d_detail::interrupts_raised();
+  caller_ran_.fetch_add(1, std::memory_order_relaxed);
+  const std::exception_ptr err = execute(t);
+  if (!err) {
+    return c10::make_intrusive<c10d_detail::DoneWork>(getRank(), type, op_name,
+                                                      std::move(t.outputs));
+  }
+  // Ctrl-C stopped it (Context::poll): the other ranks were told, and the interrupt goes to the
+  // caller (no Work is returned).
+  if (c10d_detail::interrupts_raised() != interrupts) std::rethrow_exception(err);
+  // Failed: a finished Task for the Work, which reports the failure as the queued path's does.
+  auto f = std::make_shared<Task>();
+  f->op_name = op_name;
+  f->type = type;
+  f->tag = t.tag;
+  f->ntags = ntags;
+  f->deadline = t.deadline;
+  f->outputs = t.outputs;
+  f->finish(err);
+  return c10::make_intrusive<CollWork>(getRank(), std::move(f), limit, where_);
+}
+
+void ProcessGroupUCX::Impl::ran_now(const Task& t) {
+  bool submit = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ran_locked(t);
+    // As leave(): another thread may have queued collectives meanwhile.
+    if (progress_resumes_ && !scheduled_.empty()) commux::detail::channel(*comm_).wake_driver();
+    --waiters_in_;
+    submit = needs_server_locked();
+    cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
+  }
+  if (submit) c10d_detail::CollectivePool::instance().submit(this);
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::enqueue(
     c10d::OpType type, const char* op_name, std::chrono::milliseconds op_timeout, bool async_op,
     std::vector<at::Tensor> keep_alive, std::vector<at::Tensor> outputs, Body body,
     std::uint32_t ntags, int root) {
+  // A blocking CPU call (outside a coalescing window, whose Works report their outputs later) with
+  // nothing of the group queued or running: run_now() runs it at once.
+  if (!async_op && caller_runs_ && open_windows_.load(std::memory_order_acquire) == 0) {
+    bool cpu = true;
+    for (const auto* list : {&outputs, &keep_alive}) {
+      for (const auto& x : *list) cpu = cpu && !on_device(x);
+    }
+    if (cpu) {
+      auto w = run_now(type, op_name, op_timeout, keep_alive, outputs, body, ntags, root);
+      if (w) return w;
+    }
+  }
   auto t = std::make_shared<Task>();
   t->op_name = op_name;
   t->type = type;

@@ -150,6 +150,17 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
                                          std::vector<at::Tensor> keep_alive,
                                          std::vector<at::Tensor> outputs, Body body,
                                          std::uint32_t ntags = 1, int root = -1);
+  // enqueue's fast path: a blocking CPU call, when nothing of the group is queued or running
+  // (checked under the lock that takes its tags), runs here on a Task on this thread's stack, with
+  // one lock round trip before and one after, and returns a DoneWork (a CollWork if it failed).
+  // Otherwise returns null with the arguments untouched, for the queued path.
+  c10::intrusive_ptr<c10d::Work> run_now(c10d::OpType type, const char* op_name,
+                                         std::chrono::milliseconds op_timeout,
+                                         std::vector<at::Tensor>& keep_alive,
+                                         std::vector<at::Tensor>& outputs, Body& body,
+                                         std::uint32_t ntags, int root);
+  // [not mu_] run_now's task has run: unlisted, and the group looks at its queue (leave()).
+  void ran_now(const c10d_detail::Task& t);
   c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, const char* op_name,
                                           std::vector<at::Tensor>& tensors, int peer, int tag);
   // Posts a validated send or receive now.

@@ -135,23 +135,22 @@ void Task::settle(c10::ivalue::Future& f) {
   f.markCompleted(c10::IValue(std::move(value)));
 }
 
-void Task::release_outputs() {
+bool release_weakly(std::vector<at::Tensor>& outputs, WeakOutputs& weak) {
   // (An undefined tensor has no weak reference that could tell it from a freed one; nor has it a
   // Python object to let go of.)
   for (const auto& o : outputs) {
-    if (!o.defined()) return;
+    if (!o.defined()) return false;
   }
-  weak_outputs.reserve(outputs.size());
-  for (const auto& o : outputs) weak_outputs.emplace_back(o.getIntrusivePtr());
-  outputs_released = true;
+  weak.reserve(outputs.size());
+  for (const auto& o : outputs) weak.emplace_back(o.getIntrusivePtr());
   outputs.clear();  // not their last reference: torch's binding holds them until the call returns
+  return true;
 }
 
-std::vector<at::Tensor> Task::result_tensors() const {
-  if (!outputs_released) return outputs;
+std::vector<at::Tensor> lock_outputs(const char* op_name, const WeakOutputs& weak) {
   std::vector<at::Tensor> out;
-  out.reserve(weak_outputs.size());
-  for (const auto& w : weak_outputs) {
+  out.reserve(weak.size());
+  for (const auto& w : weak) {
     auto p = w.lock();
     if (!p) {
       invalid(op_name,
@@ -161,6 +160,35 @@ std::vector<at::Tensor> Task::result_tensors() const {
     out.emplace_back(std::move(p));
   }
   return out;
+}
+
+void Task::release_outputs() { outputs_released = release_weakly(outputs, weak_outputs); }
+
+std::vector<at::Tensor> Task::result_tensors() const {
+  return outputs_released ? lock_outputs(op_name, weak_outputs) : outputs;
+}
+
+DoneWork::DoneWork(int rank, c10d::OpType type, const char* op_name,
+                   std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type), op_name_(op_name), outputs_(std::move(outputs)) {
+  released_ = release_weakly(outputs_, weak_);
+}
+
+std::vector<at::Tensor> DoneWork::result() {
+  return released_ ? lock_outputs(op_name_, weak_) : outputs_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> DoneWork::getFuture() {
+  std::lock_guard<std::mutex> lk(future_mu_);
+  if (future_) return future_;
+  future_ = make_tensor_list_future();
+  // (Completed before anyone holds it: no callback runs here.)
+  try {
+    future_->markCompleted(c10::IValue(result()));
+  } catch (...) {
+    future_->setError(std::current_exception());  // a released output freed: it fails, loudly
+  }
+  return future_;
 }
 
 CollWork::CollWork(int rank, std::shared_ptr<Task> task, std::chrono::milliseconds default_timeout,

@@ -119,6 +119,15 @@ struct RunnerGate {
   TaskRunner* runner = nullptr;  // [mu] cleared by the group's shutdown
 };
 
+// The outputs of a blocking call that finished within its call, held weakly (Task::weak_outputs
+// says why). release_weakly: moves `outputs` into `weak` when all are defined (an undefined tensor
+// has no weak reference that could tell it from a freed one), and says whether it did.
+// lock_outputs: the tensors again, or a ValueError naming `op_name` when one has been freed.
+using WeakOutputs =
+    c10::SmallVector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>, 1>;
+bool release_weakly(std::vector<at::Tensor>& outputs, WeakOutputs& weak);
+std::vector<at::Tensor> lock_outputs(const char* op_name, const WeakOutputs& weak);
+
 struct Task {
   const char* op_name = "";
   c10d::OpType type = c10d::OpType::UNKNOWN;
@@ -132,8 +141,7 @@ struct Task {
   // without the GIL, and since torch 2.13 the last C++ reference to a tensor that Python also
   // holds takes the GIL to let go of the tensor's Python object: about 0.1 us a call (420 more
   // instructions than the same release made by torch's binding, which holds the GIL).
-  c10::SmallVector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>, 1>
-      weak_outputs;
+  WeakOutputs weak_outputs;
   bool outputs_released = false;
   std::function<void(std::uint32_t, Clock::time_point)> body;
   // [mu] Made by the first get_future() (DDP's hooks ask at once; a blocking call's caller never
@@ -205,6 +213,29 @@ class CollWork final : public c10d::Work {
   std::shared_ptr<Task> task_;
   std::chrono::milliseconds default_timeout_;
   std::shared_ptr<const std::string> where_;
+};
+
+// The Work of a blocking CPU collective that ran on its caller's thread within its call, with
+// nothing queued or running beside it in the group, and succeeded (ProcessGroupUCX's fast path:
+// no Task shared with a waiter, no queue). Its outputs are held as a released Task's are.
+class DoneWork final : public c10d::Work {
+ public:
+  DoneWork(int rank, c10d::OpType type, const char* op_name, std::vector<at::Tensor> outputs);
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  std::exception_ptr exception() const override { return nullptr; }
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds /*timeout*/ = kNoTimeout) override { return true; }
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  const char* op_name_;
+  std::vector<at::Tensor> outputs_;  // until released (some undefined: kept)
+  WeakOutputs weak_;
+  bool released_ = false;
+  std::mutex future_mu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // made by the first getFuture()
 };
 
 class FutureWatcher;  // watcher.hpp

@@ -156,8 +156,10 @@ const char* op_or_default(const char* op) {
 
 Exchange::Exchange(const Context& ctx) : ctx_(ctx) {
   ctx_.op_name = op_or_default(ctx.op_name);
-  // The caller's text may not outlive the call's first wait (a Schedule's caller goes on).
-  if (ctx.call_text != nullptr) {
+  // Inside a Schedule the caller's text may not outlive the call's first wait (its caller goes
+  // on): copied. A blocking call's caller holds it until the call returns (copying it was a tenth
+  // of an 8-byte allreduce's instructions on one rank).
+  if (ctx.call_text != nullptr && current_schedule() != nullptr) {
     call_text_ = ctx.call_text;
     ctx_.call_text = call_text_.c_str();
   }
