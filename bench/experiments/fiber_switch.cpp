@@ -30,10 +30,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using commux_bench::median;
 
 int rank_main(const std::string& dir, int rank, int rounds, int calls) {
   commux::Communicator comm(std::make_shared<commux::FileStore>(dir), rank, 2);

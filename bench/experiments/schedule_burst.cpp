@@ -39,10 +39,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using commux_bench::median;
 
 struct Args {
   std::size_t bytes = 65536;
