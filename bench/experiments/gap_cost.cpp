@@ -1,18 +1,22 @@
 // gap_cost: what a pause between a rank's blocking collectives costs beyond the pause itself,
 // through the C++ API alone: 2 ranks forked on this host run N blocking allreduces of each size
-// back to back, then with G µs of work between calls (a spin, touching nothing; or a walk over
-// TOUCH bytes of other memory, as an interpreter between calls evicts the caches), in the same
-// run. A torch-level call pays torch's own few microseconds between the backend's calls: this
-// says how much of the torch-level time beyond the C++ API's (bench/coll_bench.py, ucx−noop)
-// such a pause accounts for, with no torch code involved.
+// back to back, then with work between calls, in the same run:
+//   spin  G µs of spinning, touching nothing;
+//   walk  a walk over TOUCH bytes of other memory (an interpreter's data footprint);
+//   code  a run through about 100 KiB of distinct code, 2048 small functions (an interpreter's
+//         code footprint: it pushes commux's and UCX's code out of the instruction cache).
+// A torch-level call pays torch's own few microseconds of Python and C++ between the backend's
+// calls: this says how much of the torch-level time beyond the C++ API's (bench/coll_bench.py,
+// ucx−noop) such a pause accounts for, with no torch code involved.
 //
 //   scripts/build.sh build            (builds it as build/bench/gap_cost)
 //   UCX_NET_DEVICES=lo build/bench/gap_cost [GAP_US] [TOUCH_BYTES] [ROUNDS]
 //                                     (default 3.5 262144 5)
 //
-// (MAX, so that every call's result is the same and checked.) Prints rank 0's medians over rounds of µs per call: back to back; with the spin, less the spin's
-// own time measured alone; with the walk, less the walk's own time; and the two differences from
-// back to back (the cost the pause adds). Every result is checked (a wrong sum fails the run).
+// Prints rank 0's medians over rounds of µs per call: back to back; with each pause, less the
+// pause's own time measured alone; and the differences from back to back (what the pause adds).
+// The allreduce is a MAX of 1 and 2, so every call's result is the same: each is checked (a wrong
+// element fails the run).
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +24,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commux/collectives.hpp"
@@ -53,6 +58,29 @@ void walk(const std::vector<unsigned char>& mem) {
   g_sink = g_sink + s;
 }
 
+// One of kPieces distinct small functions (their constants differ, so none is folded into
+// another): a run through all of them executes about 100 KiB of code once.
+constexpr std::size_t kPieces = 2048;
+
+template <std::size_t N>
+__attribute__((noinline)) unsigned long code_piece(unsigned long x) {
+  x = x * 0x9E3779B97F4A7C15ul + N;
+  x ^= x >> (N % 23 + 7);
+  x = x * (2 * N + 1);
+  x ^= x << (N % 11 + 3);
+  x += N * 0x2545F4914F6CDD1Dul;
+  x ^= x >> (N % 13 + 5);
+  return x;
+}
+
+template <std::size_t... I>
+unsigned long code_run(unsigned long x, std::index_sequence<I...>) {
+  ((x = code_piece<I>(x)), ...);
+  return x;
+}
+
+void code_walk() { g_sink = g_sink + code_run(g_sink, std::make_index_sequence<kPieces>{}); }
+
 int rank_main(const std::string& dir, int rank, const Args& a) {
   commux::Communicator comm(std::make_shared<commux::FileStore>(dir), rank, 2);
   std::uint32_t tag = 1;
@@ -60,12 +88,12 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
   std::vector<unsigned char> other(a.touch, 1);
   if (rank == 0) {
     std::printf(
-        "2 ranks, blocking allreduce (float32 MAX), µs per call (rank 0, median of %d "
-        "rounds); pause %.1f µs spin, or a walk over %zu B\n",
-        a.rounds, a.gap_us, a.touch);
+        "2 ranks, blocking allreduce (float32 MAX), µs per call (rank 0, median of %d rounds); "
+        "pauses: %.1f µs spin, a walk over %zu B, a run through %zu functions\n",
+        a.rounds, a.gap_us, a.touch, kPieces);
     std::printf(
-        "| bytes | back to back | spin: call | walk: call | spin adds | walk adds |\n"
-        "|---:|---:|---:|---:|---:|---:|\n");
+        "| bytes | back to back | spin: call | walk: call | code: call | spin adds | walk adds | "
+        "code adds |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   }
   for (std::size_t bytes : {8, 512, 4096, 32768, 262144}) {
     const std::size_t n = std::max<std::size_t>(1, bytes / sizeof(float));
@@ -78,7 +106,8 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
       c.op_name = "allreduce";
       commux::coll::allreduce(c, buf.data(), n, commux::DataType::kFloat32, commux::ReduceOp::kMax);
     };
-    auto timed = [&](int way) {  // 0: back to back, 1: spin, 2: walk, 3: spin alone, 4: walk alone
+    // 0: back to back; 1, 2, 3: with the spin, the walk, the code; 4, 5, 6: each pause alone.
+    auto timed = [&](int way) {
       std::fill(buf.begin(), buf.end(), static_cast<float>(rank + 1));
       commux::coll::barrier([&] {
         commux::coll::Context c;
@@ -88,26 +117,29 @@ int rank_main(const std::string& dir, int rank, const Args& a) {
       }());
       const auto t0 = Clock::now();
       for (int i = 0; i < iters; ++i) {
-        if (way < 3) call();
-        if (way == 1 || way == 3) spin(a.gap_us);
-        if (way == 2 || way == 4) walk(other);
+        if (way < 4) call();
+        if (way == 1 || way == 4) spin(a.gap_us);
+        if (way == 2 || way == 5) walk(other);
+        if (way == 3 || way == 6) code_walk();
       }
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-      if (way < 3) {  // MAX of 1 and 2, every call: the same result however many ran
+      if (way < 4) {  // MAX of 1 and 2, every call: the same result however many ran
         for (float x : buf) wrong += x != 2.0f;
       }
       return us / iters;
     };
-    std::vector<double> t[5];
+    std::vector<double> t[7];
     for (int r = 0; r < a.rounds + 1; ++r) {
-      double us[5];
-      for (int way = 0; way < 5; ++way) us[way] = timed(way);
+      double us[7];
+      for (int way = 0; way < 7; ++way) us[way] = timed(way);
       if (r == 0) continue;  // warm-up
-      for (int way = 0; way < 5; ++way) t[way].push_back(us[way]);
+      for (int way = 0; way < 7; ++way) t[way].push_back(us[way]);
     }
-    const double b = median(t[0]), s = median(t[1]) - median(t[3]), w = median(t[2]) - median(t[4]);
+    const double b = median(t[0]), s = median(t[1]) - median(t[4]), w = median(t[2]) - median(t[5]),
+                 c = median(t[3]) - median(t[6]);
     if (rank == 0) {
-      std::printf("| %zu | %.2f | %.2f | %.2f | %+.2f | %+.2f |\n", bytes, b, s, w, s - b, w - b);
+      std::printf("| %zu | %.2f | %.2f | %.2f | %.2f | %+.2f | %+.2f | %+.2f |\n", bytes, b, s, w,
+                  c, s - b, w - b, c - b);
     }
   }
   if (wrong > 0) std::fprintf(stderr, "rank %d: %ld wrong results\n", rank, wrong);
