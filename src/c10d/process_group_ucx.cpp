@@ -658,16 +658,21 @@ bool ProcessGroupUCX::Impl::enter() {
   return true;
 }
 
+bool ProcessGroupUCX::Impl::leave_locked() {
+  // The progress thread resumes what this thread leaves suspended: if it sleeps, wake it
+  // (it would otherwise notice the schedules' requests only at the end of its sleep).
+  if (progress_resumes_ && !scheduled_.empty()) commux::detail::channel(*comm_).wake_driver();
+  --waiters_in_;
+  const bool submit = needs_server_locked();
+  cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
+  return submit;
+}
+
 void ProcessGroupUCX::Impl::leave() {
   bool submit = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    // The progress thread resumes what this thread leaves suspended: if it sleeps, wake it
-    // (it would otherwise notice the schedules' requests only at the end of its sleep).
-    if (progress_resumes_ && !scheduled_.empty()) commux::detail::channel(*comm_).wake_driver();
-    --waiters_in_;
-    submit = needs_server_locked();
-    cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
+    submit = leave_locked();
   }
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
 }
@@ -842,11 +847,7 @@ void ProcessGroupUCX::Impl::ran_now(const Task& t) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     ran_locked(t);
-    // As leave(): another thread may have queued collectives meanwhile.
-    if (progress_resumes_ && !scheduled_.empty()) commux::detail::channel(*comm_).wake_driver();
-    --waiters_in_;
-    submit = needs_server_locked();
-    cv_.notify_all();  // shutdown() may be waiting; nothing of *this is touched after
+    submit = leave_locked();  // (another thread may have queued collectives meanwhile)
   }
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
 }

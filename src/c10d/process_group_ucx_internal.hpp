@@ -161,6 +161,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
                                          std::uint32_t ntags, int root);
   // [not mu_] run_now's task has run: unlisted, and the group looks at its queue (leave()).
   void ran_now(const c10d_detail::Task& t);
+  // [mu_] A waiter admitted by enter() (or run_now) leaves: wakes the progress thread if it
+  // resumes schedules, tells shutdown(); true when the group must then be submitted to the pool.
+  bool leave_locked();
   c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, const char* op_name,
                                           std::vector<at::Tensor>& tensors, int peer, int tag);
   // Posts a validated send or receive now.
