@@ -264,8 +264,8 @@ def test_many_async_collectives_in_flight(ranks, ws):
 def _schedule_futures_two_at_once(ctx):
     """Bursts of 8 async all_reduces of 256 KiB, issued back to back and their futures waited in
     turn (DDP's buckets), on a group whose collectives run as schedules two at once
-    (COMMUX_SCHEDULE=1, COMMUX_INFLIGHT=2; so do larger ones under auto, whose byte window lets
-    two of 256 KiB run together) and whose timeout is 20 s. Nobody resumes these schedules but
+    (COMMUX_SCHEDULE=1, COMMUX_INFLIGHT=2; so do smaller ones under auto, whose byte window lets
+    two of 32 KiB run together) and whose timeout is 20 s. Nobody resumes these schedules but
     the group's pool threads: one runs the earliest to its end, and a second one, which only
     yielded while another thread ran the earliest, left the later ones unresumed; a peer
     waiting in the later one for this rank left both ranks waiting until the timeout (in each
@@ -872,6 +872,37 @@ def test_collectives_of_one_group_run_beside_each_other(ranks, ws):
         if rank < len(results) - 1:  # an early rank: its first collective waited for the late one
             assert r["disjoint"] >= 1, (rank, r)
             assert r["halves"] >= 1, (rank, r)
+
+
+def _schedule_window(ctx):
+    """COMMUX_SCHEDULE=1 under COMMUX_INFLIGHT=auto: an async CPU collective starts as a schedule
+    beside running ones only while their bytes and its own come to at most 64 KiB. While the first
+    of 8 async all_reduces waits for a late rank, the other 7 start beside it when each moves
+    4 KiB, and none does when each moves 64 KiB (with the 512 KiB window before, all 8 ran at
+    once, which took longer than one at a time through torch: docs/torch-backend.md). Every result
+    is checked."""
+    W, me = ctx.world, ctx.rank
+    g = _group_with("COMMUX_SCHEDULE", "1", COMMUX_INFLIGHT="auto")
+    be = _backend(g)
+    out = {}
+    for kib in (4, 64):
+        xs = [torch.full((kib * 256,), float(me + i)) for i in range(8)]
+        out[kib] = _inflight_round(
+            ctx, be, lambda: [dist.all_reduce(x, async_op=True, group=g) for x in xs])
+        for i, x in enumerate(xs):
+            want = torch.full((kib * 256,), float(sum(r + i for r in range(W))))
+            check_equal(f"all_reduce #{i} of {kib} KiB", x, want)
+    return out
+
+
+@pytest.mark.ucx_semantics  # commux's counter
+@worlds(2, 3)
+def test_schedules_in_flight_together_move_at_most_64_kib(ranks, ws):
+    results = ranks.run(_schedule_window, timeout=60)
+    for rank, r in enumerate(results):
+        assert r[64] == 0, (rank, r)
+        if rank < len(results) - 1:  # an early rank: its first collective waited for the late one
+            assert r[4] == 7, (rank, r)
 
 
 def _blocking_results(ctx):
