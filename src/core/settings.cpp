@@ -58,7 +58,9 @@ const std::vector<Setting>& settings_table() {
        "on whichever thread resumes it (a waiter in Work.wait(), else a collective thread, or the "
        "progress thread with COMMUX_PROGRESS_RESUMES), "
        "holding no thread while it waits (needs COMMUX_CALLER_RUNS); off: a collective thread runs "
-       "it whole. Off by default until it measures faster (docs/torch-backend.md)"},
+       "it whole. Off by default: an async call whose Work is waited at once measures faster "
+       "without; a DDP step, and code that waits on get_future(), faster with it "
+       "(docs/torch-backend.md)"},
       {"COMMUX_PROGRESS_RESUMES", "bool", "off", kPerComm,
        "with COMMUX_SCHEDULE, the core's progress thread resumes the schedules nobody waits for "
        "(and starts those queued behind them) between its progress calls; off: a collective "
