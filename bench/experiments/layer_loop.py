@@ -11,7 +11,8 @@ timing-dependent number of instructions into the count. Another build of the pac
 with PYTHONPATH pointing at it (pip install --no-deps --target DIR .). --backend noop is torch's
 own cost (bench/suites/coll.py). --op p2p: an irecv and an isend of the rank to itself, both
 waited; --op p2p-sent-first: the isend first, so that the irecv finds its message there (as in a
-halo exchange whose neighbours sent first). Prints the µs per call (meaningless under valgrind).
+halo exchange whose neighbours sent first); --op allreduce-async: all_reduce(async_op=True), then
+its wait() (DDP's pattern, with nothing between). Prints the µs per call (meaningless under valgrind).
 """
 import argparse
 import sys
@@ -25,7 +26,8 @@ from bench.lib.launch import one_rank_groups  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=("ucx", "noop"), default="ucx")
-    p.add_argument("--op", choices=("allreduce", "broadcast", "barrier", "p2p", "p2p-sent-first"),
+    p.add_argument("--op", choices=("allreduce", "allreduce-async", "broadcast", "barrier", "p2p",
+                             "p2p-sent-first"),
                     default="allreduce")
     p.add_argument("--calls", type=int, default=20000)
     a = p.parse_args(argv)
@@ -45,6 +47,7 @@ def main(argv=None):
         s.wait()
 
     call = {"allreduce": lambda: dist.all_reduce(t, group=g),
+            "allreduce-async": lambda: dist.all_reduce(t, group=g, async_op=True).wait(),
             "broadcast": lambda: dist.broadcast(t, 0, group=g),
             "barrier": lambda: dist.barrier(group=g), "p2p": p2p,
             "p2p-sent-first": p2p_sent_first}[a.op]
