@@ -54,7 +54,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // 1.11x, 256 KiB 1.33x against 1.02x, 1 MiB 1.32x against 1.05x. Through torch the cost starts
   // lower: with a 512 KiB window, 8 async all_reduces of 64 KiB (all 8 in flight) took 1.17x and
   // their futures 1.77x blocking's time on 2 ranks, with this one (one at a time) 1.03x and 1.25x
-  // (bench/experiments/schedule_ab.py, docs/torch-backend.md "Why COMMUX_SCHEDULE is off").
+  // (bench/experiments/schedule_ab.py; docs/torch-backend.md, "The window at 64 KiB").
   static constexpr std::size_t kScheduleBytes = std::size_t{64} << 10;
   static constexpr std::size_t kMaxInflight = 64;
   static constexpr std::chrono::microseconds kScheduleSlice{1000};
