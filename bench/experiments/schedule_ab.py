@@ -17,7 +17,8 @@ each of these is timed over --passes passes after a barrier, rounds interleaving
   fut1      8 times: one, then get_future().wait()  (nobody resumes it but a commux thread)
   async8    8 issued back to back, then each Work.wait()ed  (issue 14: less than blocking)
   fut8      8 issued back to back, then each future waited  (DDP's buckets)
-  ddp       one DistributedDataParallel step (8 Linear(256, 256), 0.25 MB buckets, SGD)
+  ddp       one DistributedDataParallel step (8 Linear(W, W), W = --ddp-width, default 256;
+            --ddp-bucket-mb buckets, default 0.25; SGD)
 Prints, per variant, the median over its launches of each launch's median (slowest rank's time
 per pass, µs) and the ratio to that launch's blocking figure. Every all_reduce result is checked,
 and the DDP parameters must be equal on every rank of every launch. UCX_NET_DEVICES=lo unless set.
@@ -75,10 +76,11 @@ def run_rank(job):
                     w.get_future().wait()
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-    ddp = DDP(model, bucket_cap_mb=0.25)
+    width = job["ddp_width"]
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)])
+    ddp = DDP(model, bucket_cap_mb=job["ddp_bucket_mb"])
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-    inp = torch.full((32, 256), 0.01 * (me + 1))
+    inp = torch.full((32, width), 0.01 * (me + 1))
 
     def ddp_step():
         opt.zero_grad()
@@ -117,6 +119,10 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--passes", type=int, default=10)
     p.add_argument("--launches", type=int, default=2, help="launches of each variant, alternated")
+    p.add_argument("--ddp-width", type=int, default=256,
+                   help="the DDP model's 8 Linear(W, W) layers (256: 2 MiB of parameters)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=0.25,
+                   help="DDP's bucket_cap_mb (torch's default is 25)")
     p.add_argument("--per-launch", action="store_true",
                    help="also print each launch's ratios to its blocking figure, sorted (the "
                         "patterns that are bimodal from launch to launch show as two groups)")
@@ -139,7 +145,8 @@ def main():
     for launch in range(a.launches):
         order = variants if launch % 2 == 0 else tuple(reversed(variants))
         for label, env in order:
-            job = {"kib": a.kib, "rounds": a.rounds, "passes": a.passes, "env": env}
+            job = {"kib": a.kib, "rounds": a.rounds, "passes": a.passes, "env": env,
+                   "ddp_width": a.ddp_width, "ddp_bucket_mb": a.ddp_bucket_mb}
             results, errors = launch_ranks(a.ranks, run_rank, job, 600, f"schedule a/b {label}")
             for e in errors:
                 print(f"schedule_ab: {label}: {e}", file=sys.stderr)
@@ -158,7 +165,8 @@ def main():
                     wrong += 1
                     print(f"schedule_ab: {label}: rank {r}'s DDP parameters differ from the "
                           "first launch's", file=sys.stderr)
-    print(f"{a.ranks} ranks, all_reduce of {a.kib} KiB (DDP: 8 Linear(256, 256)), µs per pass "
+    print(f"{a.ranks} ranks, all_reduce of {a.kib} KiB (DDP: 8 Linear({a.ddp_width}, "
+          f"{a.ddp_width}), buckets of {a.ddp_bucket_mb:g} MB), µs per pass "
           f"(slowest rank), median of {a.rounds} rounds, then of {a.launches} launches per "
           "variant; (ratio to the launch's blocking)")
     labels = [label for label, _ in variants]
