@@ -59,7 +59,7 @@ const std::vector<Setting>& settings_table() {
        "progress thread with COMMUX_PROGRESS_RESUMES), "
        "holding no thread while it waits (needs COMMUX_CALLER_RUNS); off: a collective thread runs "
        "it whole. Off by default: an async call whose Work is waited at once measures faster "
-       "without; a DDP step, and code that waits on get_future(), faster with it "
+       "without; code that waits on get_future(), and DDP with small buckets, faster with it "
        "(docs/torch-backend.md)"},
       {"COMMUX_PROGRESS_RESUMES", "bool", "off", kPerComm,
        "with COMMUX_SCHEDULE, the core's progress thread resumes the schedules nobody waits for "
