@@ -3,7 +3,7 @@
 // back to back, then with work between calls, in the same run:
 //   spin  G µs of spinning, touching nothing;
 //   walk  a walk over TOUCH bytes of other memory (an interpreter's data footprint);
-//   code  a run through about 100 KiB of distinct code, 2048 small functions (an interpreter's
+//   code  a run through about 160 KiB of distinct code, 2048 small functions (an interpreter's
 //         code footprint: it pushes commux's and UCX's code out of the instruction cache).
 // A torch-level call pays torch's own few microseconds of Python and C++ between the backend's
 // calls: this says how much of the torch-level time beyond the C++ API's (bench/coll_bench.py,
@@ -59,7 +59,8 @@ void walk(const std::vector<unsigned char>& mem) {
 }
 
 // One of kPieces distinct small functions (their constants differ, so none is folded into
-// another): a run through all of them executes about 100 KiB of code once.
+// another): a run through all of them executes about 160 KiB of code once (their symbols span
+// 160 KiB in the project's build: nm -S build/bench/gap_cost).
 constexpr std::size_t kPieces = 2048;
 
 template <std::size_t N>
