@@ -163,8 +163,11 @@ class ProcessGroupUCX : public c10d::Backend {
 
   // Cancels what is still in flight (its Works fail with "shut down"), waits for the collective
   // running (if any) to end and closes the endpoints; bounded by COMMUX_SHUTDOWN_TIMEOUT_MS. Idempotent; the destructor calls it.
+  // Then raises DistBackendError if another rank had found that the ranks disagreed in a
+  // collective that returned here (its results are wrong on some rank) and no later collective
+  // of the group reported it; the destructor and abort() print that to stderr instead.
   void shutdown() override;
-  void abort() override { shutdown(); }
+  void abort() override;
 
  private:
   // The backend's state (communicator, collective queue, in-flight operations, streams,

@@ -334,6 +334,67 @@ def test_a_disagreement_found_after_others_finished_reaches_them(world):
         assert outs[finder].value[case][0]["raised"], f"{case}: rank {finder} returned"
 
 
+def _disagreement_told_at_shutdown(ctx):
+    """The same two disagreements as above, and a broadcast whose ranks each name themselves the
+    root, each on a group of its own that makes no later collective: the ranks that returned are
+    told when the group is destroyed. Before, nothing told them: destroy_process_group returned,
+    and their wrong results went unreported. A last group, whose ranks agree, must shut down
+    quietly."""
+    me, w = ctx.rank, ctx.world
+    out = {}
+    for case in ("all_to_all_single", "broadcast", "roots", "agree"):
+        g = dist.new_group(list(range(w)))
+        if case == "all_to_all_single":  # rank 0 sends rank 1 one element more than it takes
+            ins = [2] * w
+            if me == 0:
+                ins[1] = 3
+            x = torch.arange(sum(ins), dtype=torch.float32)
+            y = torch.zeros(2 * w)
+            first = expect_raises(lambda: dist.all_to_all_single(y, x, output_split_sizes=[2] * w,
+                                                                 input_split_sizes=ins, group=g))
+        elif case == "broadcast":  # the non-root's tensor is rejected before anything is posted
+            t = torch.zeros(8)
+            first = expect_raises(lambda: dist.broadcast(t if me == 0 else t[::2], src=0, group=g))
+        elif case == "roots":  # each rank names itself the root: each returns its own data
+            t = torch.full((8,), float(me))
+            first = expect_raises(lambda: dist.broadcast(t, src=me, group=g))
+        else:
+            t = torch.ones(4)
+            first = expect_raises(lambda: dist.all_reduce(t, group=g))
+        dist.barrier(group=ctx.ref)  # the finder has sent its notices
+        time.sleep(0.2)  # ... and they have arrived
+        out[case] = [first, expect_raises(lambda: dist.destroy_process_group(g))]
+    return out
+
+
+@pytest.mark.ucx_semantics  # gloo has no call checks
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_disagreement_nobody_reported_is_raised_at_shutdown(world):
+    outs, closed = mp.run_once(_disagreement_told_at_shutdown, world, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    for case, op in (("all_to_all_single", "alltoall_base"), ("broadcast", "broadcast")):
+        for rank, o in enumerate(outs):
+            first, shut = o.value[case]
+            what = f"{case}, rank {rank}: {first['msg'] or 'returned'}; then destroy: {shut}"
+            if first["raised"]:  # told by its own call: nothing more to say
+                assert not shut["raised"], what
+                continue
+            assert shut["raised"] and shut["type"] == "DistBackendError", what
+            assert "which had finished on this rank" in shut["msg"], what
+            assert f"{op} #" in shut["msg"] and "results are wrong" in shut["msg"], what
+        assert outs[1].value[case][0]["raised"], f"{case}: rank 1, the finder, returned"
+        assert not outs[0].value[case][0]["raised"], f"{case}: rank 0 did not return"
+    for rank, o in enumerate(outs):  # every rank returned, with its own data, and is told now
+        first, shut = o.value["roots"]
+        what = f"roots, rank {rank}: {first['msg'] or 'returned'}; then destroy: {shut}"
+        assert not first["raised"] and shut["raised"] and shut["type"] == "DistBackendError", what
+        assert "broadcast #" in shut["msg"] and "which this rank ran as the root" in shut["msg"], what
+        assert "results are wrong" in shut["msg"], what
+    for rank, o in enumerate(outs):
+        assert not o.value["agree"][0]["raised"] and not o.value["agree"][1]["raised"], (rank, o.value["agree"])
+
+
 def _late_peer_after_a_timeout(ctx):
     """4 ranks: a reduce whose ranks disagree on the root (rank 0 names 3, the others 0) leaves
     ranks 0-2 waiting out their timeouts while rank 3 goes on to an all_gather with a tensor list
@@ -364,13 +425,15 @@ def _late_peer_after_a_timeout(ctx):
     dist.barrier(group=ctx.ref)
     time.sleep(1.0)  # the late transfers happen, or crash, now
     dist.barrier(group=ctx.ref)
-    dist.destroy_process_group(g)
+    # Rank 3's reduce returned, and no later call of g told it that the ranks named other roots:
+    # destroying g does.
+    destroyed = expect_raises(lambda: dist.destroy_process_group(g))
     g2 = dist.new_group(list(range(w)))
     dist.barrier(group=g2)  # its start frees what finished transfers held
     gc.collect()
     kept = sum(r() is not None for r in watch)
     dist.destroy_process_group(g2)
-    return [(r["raised"], r["msg"][:200]) for r in out], kept
+    return [(r["raised"], r["msg"][:200]) for r in out], kept, destroyed
 
 
 @pytest.mark.ucx_semantics  # a commux staging buffer
@@ -378,9 +441,14 @@ def test_a_failed_list_calls_staging_outlives_its_posted_transfers():
     outs, closed = mp.run_once(_late_peer_after_a_timeout, 4, backend=BACKEND, pg_timeout_s=60, timeout=120)
     assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
     for o in outs:
-        calls, kept = o.value
+        calls, kept, destroyed = o.value
         assert calls[1][0], f"rank {o.rank}: the all_gather returned: {calls}"
         assert kept == 0, f"rank {o.rank}: {kept} tensors of the failed calls are still kept: {calls}"
+        if o.rank == 3:  # the reduce returned here
+            assert destroyed["raised"] and "reduce #" in destroyed["msg"], destroyed
+            assert "a sender to the root" in destroyed["msg"], destroyed
+        else:  # the reduce failed here, and said so
+            assert not destroyed["raised"], (o.rank, destroyed)
 
 
 def _late_root_of_a_scaled_reduce(ctx, kind, schedule):

@@ -99,6 +99,15 @@ void ProcessGroupUCX::Impl::note_root_call(std::uint32_t tag, const char* op, in
   any_root_calls_.store(true, std::memory_order_release);
 }
 
+std::string ProcessGroupUCX::Impl::root_call_text(const RootCall& r, int sender) {
+  const bool sends = std::strcmp(r.op, "reduce") == 0 || std::strcmp(r.op, "gather") == 0;
+  return "rank " + std::to_string(sender) + " sent this rank a message for call #" +
+         std::to_string(r.tag) + " (" + r.op + " #" + std::to_string(r.tag) +
+         " here, which this rank ran as " + (sends ? "a sender to the root" : "the root") +
+         ") that this rank never took: the ranks' calls #" + std::to_string(r.tag) +
+         " differed (their roots, say), so its results are wrong on some ranks";
+}
+
 void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* current_op) {
   auto& chan = ::commux::detail::channel(*comm_);
   std::string reason;
@@ -117,13 +126,7 @@ void ProcessGroupUCX::Impl::check_root_calls(std::uint32_t current, const char* 
       ::commux::detail::Unexpected u{};
       if (chan.probe(TagKind::kInternal, kAnySource, it->tag, 0xFFFF, &u)) {
         chan.discard(TagKind::kInternal, it->tag, 0xFFFF);
-        const bool sender =
-            std::strcmp(it->op, "reduce") == 0 || std::strcmp(it->op, "gather") == 0;
-        reason = "rank " + std::to_string(u.sender) + " sent this rank a message for call #" +
-                 std::to_string(it->tag) + " (" + it->op + " #" + std::to_string(it->tag) +
-                 " here, which this rank ran as " + (sender ? "a sender to the root" : "the root") +
-                 ") that this rank never took: the ranks' calls #" + std::to_string(it->tag) +
-                 " differed (their roots, say), so its results are wrong on some ranks";
+        reason = root_call_text(*it, u.sender);
         root_calls_.erase(it);
         break;
       }
@@ -186,12 +189,88 @@ void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* cur
   std::string what, found;
   coll::take_notice(c, sender, &what, &found);
   note_dead(call, 1);  // what else comes for it is dropped
-  refuse_call(current, current_op,
-              "rank " + std::to_string(sender) + " stopped call #" + std::to_string(call) +
-                  (what.empty() ? "" : " (" + what + " there)") +
-                  ", which had finished on this rank" + (found.empty() ? "" : ": " + found) +
-                  "; the ranks' calls #" + std::to_string(call) +
-                  " disagreed, so its results are wrong on some ranks");
+  refuse_call(current, current_op, notice_text(call, sender, what, found));
+}
+
+std::string ProcessGroupUCX::Impl::notice_text(std::uint32_t call, int sender,
+                                               const std::string& what, const std::string& found) {
+  return "rank " + std::to_string(sender) + " stopped call #" + std::to_string(call) +
+         (what.empty() ? "" : " (" + what + " there)") + ", which had finished on this rank" +
+         (found.empty() ? "" : ": " + found) + "; the ranks' calls #" + std::to_string(call) +
+         " disagreed, so its results are wrong on some ranks";
+}
+
+std::string ProcessGroupUCX::Impl::untold_notices(
+    const std::deque<std::shared_ptr<c10d_detail::Task>>& never_ran) noexcept {
+  std::string out;
+  if (size_ <= 1 || !comm_) return out;
+  try {
+    std::uint32_t issued = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      issued = next_tag_;
+    }
+    coll::Context c;
+    c.comm = comm_.get();
+    // (Bounded: each look takes or drops the notice it finds, or ends the loop.)
+    int misses = 0;
+    for (std::size_t n = 0; n < kMaxDead; ++n) {
+      std::uint32_t call = 0;
+      int sender = -1;
+      // (A few looks: one progress call may not yet have moved a notice that has arrived.)
+      if (!coll::find_notice(c, &call, &sender)) {
+        if (++misses < 3) continue;
+        break;
+      }
+      c.tag = call;
+      bool running = false;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (const c10d_detail::Task* r : running_) running = running || call - r->tag < r->ntags;
+      }
+      if (running) break;  // a call in flight reads it (it fails as the group shuts down)
+      // A call this rank never made, or never ran: nothing of it returned here.
+      bool dead = call - issued < 0x80000000u;
+      for (const auto& t : never_ran) dead = dead || call - t->tag < t->ntags;
+      {
+        std::lock_guard<std::mutex> lk(dead_mu_);
+        for (const auto& d : dead_) dead = dead || call - d.first < d.second;
+      }
+      if (dead) {  // failed here already, and said so: only dropped
+        coll::discard_call(c);
+        continue;
+      }
+      std::string what, found;
+      coll::take_notice(c, sender, &what, &found);
+      note_dead(call, 1);
+      out += (out.empty() ? "" : "\n") + std::string("commux shutdown: ") +
+             notice_text(call, sender, what, found) + " (" + where() + ")";
+    }
+    // The root calls still watched (check_root_calls), whatever looks they had left: a message
+    // one never took has arrived by now if the notices have.
+    std::vector<RootCall> roots;
+    {
+      std::lock_guard<std::mutex> lk(dead_mu_);
+      roots.swap(root_calls_);
+      any_root_calls_.store(false, std::memory_order_release);
+    }
+    auto& chan = ::commux::detail::channel(*comm_);
+    for (const auto& r : roots) {
+      bool running = false;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (const c10d_detail::Task* t : running_) running = running || r.tag - t->tag < t->ntags;
+      }
+      ::commux::detail::Unexpected u{};
+      if (running || !chan.probe(TagKind::kInternal, kAnySource, r.tag, 0xFFFF, &u)) continue;
+      chan.discard(TagKind::kInternal, r.tag, 0xFFFF);
+      out += (out.empty() ? "" : "\n") + std::string("commux shutdown: ") +
+             root_call_text(r, u.sender) + " (" + where() + ")";
+    }
+  } catch (...) {
+    // the transport failed while looking: nothing more can be learnt from it
+  }
+  return out;
 }
 
 }  // namespace commux

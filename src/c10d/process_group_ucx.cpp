@@ -206,7 +206,12 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
 ProcessGroupUCX::~ProcessGroupUCX() {
   // A thread still inside the group (a future callback that never returns) would use it after
   // free: leave the group's state in place instead (shutdown() said so on stderr).
-  if (!impl_->shutdown()) static_cast<void>(impl_.release());
+  const bool drained = impl_->shutdown();
+  if (!impl_->untold_.empty()) {
+    std::fprintf(stderr, "%s\n", impl_->untold_.c_str());
+    std::fflush(stderr);
+  }
+  if (!drained) static_cast<void>(impl_.release());
 }
 
 const std::string ProcessGroupUCX::getBackendName() const { return impl_->name_; }
@@ -250,6 +255,9 @@ bool ProcessGroupUCX::Impl::shutdown() {
     submit = needs_server_locked();
   }
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
+  // A disagreement another rank found in a call that returned here, which no later collective
+  // on this group will now report (check_notices): its results are wrong on some rank.
+  untold_ = untold_notices(left);
   // Closing the communicator cancels whatever is posted (bounded by the shutdown timeout), so a
   // collective a pool thread is running fails promptly instead of waiting for its deadline.
   if (comm_) comm_->shutdown();
@@ -1580,7 +1588,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
 
 // --- the c10d::Backend entry points: forwarded to the Impl -------------------------------------
 
-void ProcessGroupUCX::shutdown() { static_cast<void>(impl_->shutdown()); }
+void ProcessGroupUCX::shutdown() {
+  static_cast<void>(impl_->shutdown());
+  // (Raised once: the destructor, and a second shutdown, have nothing more to say.)
+  std::string untold = std::exchange(impl_->untold_, std::string());
+  if (!untold.empty()) c10d_detail::throw_backend_error(untold);
+}
+
+void ProcessGroupUCX::abort() {
+  static_cast<void>(impl_->shutdown());
+  std::string untold = std::exchange(impl_->untold_, std::string());
+  if (!untold.empty()) {
+    std::fprintf(stderr, "%s\n", untold.c_str());
+    std::fflush(stderr);
+  }
+}
 uint64_t ProcessGroupUCX::getSequenceNumberForGroup() { return impl_->getSequenceNumberForGroup(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                      int tag) {

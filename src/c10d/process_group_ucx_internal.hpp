@@ -222,6 +222,16 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // finding one, fails call `current` on every rank naming the earlier call (its results may be
   // wrong on some rank, and nothing else would tell this one).
   void check_notices(std::uint32_t current, const char* current_op);
+  // At shutdown, where no later collective will read them: the notices of calls that finished
+  // here (one progress call and probe each), and the messages of root calls that this rank never
+  // took (check_root_calls), taken and described, one line per call; "" if none. `never_ran`:
+  // the calls shutdown took off the queue (they fail saying so). A message still on its way when
+  // the group shuts down is not seen.
+  std::string untold_notices(
+      const std::deque<std::shared_ptr<c10d_detail::Task>>& never_ran) noexcept;
+  // What check_notices and untold_notices say of the notice of call `call` from `sender`.
+  static std::string notice_text(std::uint32_t call, int sender, const std::string& what,
+                                 const std::string& found);
   // Whether check_notices runs before this call: at most once per tick of the coarse clock (1-4
   // ms). Its probe walks the transport's whole queue of unexpected messages, which a rank far
   // behind its peers (a broadcast receiver in a loop) holds hundreds of: every call made it 1.5x
@@ -334,6 +344,8 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
     int skip;   // collectives to let start before looking
     int looks;  // collectives before which it is still looked for after that
   };
+  // What check_root_calls and untold_notices say of a message from `sender` for root call `r`.
+  static std::string root_call_text(const RootCall& r, int sender);
   std::vector<RootCall> root_calls_;         // [dead_mu_]
   std::atomic<bool> any_root_calls_{false};  // = !root_calls_.empty()
   std::uint64_t collectives_issued_ = 0;
@@ -347,6 +359,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // The collectives' recent history and the hang report (flight_recorder.hpp).
   std::unique_ptr<c10d_detail::FlightRecorder> recorder_;
   bool shut_down_ = false;
+  // The first shutdown's untold_notices(), until shutdown() raises it or the destructor or
+  // abort() prints it. [set by the first shutdown(), read by the thread that called it]
+  std::string untold_;
 
   // Coalescing windows, per issuing thread; open_windows_ lets ops skip the lock when none is open
   // (a window is opened and used by one thread, so that thread sees its own increment).
