@@ -8,6 +8,9 @@ off by one call on both ranks, silently); an all_reduce on one rank and a broadc
 "succeeded" on the broadcasting rank with the reducer's data.
 """
 import functools
+import os
+import sys
+import tempfile
 import time
 
 import pytest
@@ -338,11 +341,12 @@ def _disagreement_told_at_shutdown(ctx):
     """The same two disagreements as above, and a broadcast whose ranks each name themselves the
     root, each on a group of its own that makes no later collective: the ranks that returned are
     told when the group is destroyed. Before, nothing told them: destroy_process_group returned,
-    and their wrong results went unreported. A last group, whose ranks agree, must shut down
-    quietly."""
+    and their wrong results went unreported. The roots' case once more with abort(), which says
+    it on stderr instead (and the destroy after it says nothing more). A last group, whose ranks
+    agree, must shut down quietly."""
     me, w = ctx.rank, ctx.world
     out = {}
-    for case in ("all_to_all_single", "broadcast", "roots", "agree"):
+    for case in ("all_to_all_single", "broadcast", "roots", "roots_abort", "agree"):
         g = dist.new_group(list(range(w)))
         if case == "all_to_all_single":  # rank 0 sends rank 1 one element more than it takes
             ins = [2] * w
@@ -355,7 +359,7 @@ def _disagreement_told_at_shutdown(ctx):
         elif case == "broadcast":  # the non-root's tensor is rejected before anything is posted
             t = torch.zeros(8)
             first = expect_raises(lambda: dist.broadcast(t if me == 0 else t[::2], src=0, group=g))
-        elif case == "roots":  # each rank names itself the root: each returns its own data
+        elif case.startswith("roots"):  # each rank names itself the root: each returns its own data
             t = torch.full((8,), float(me))
             first = expect_raises(lambda: dist.broadcast(t, src=me, group=g))
         else:
@@ -363,8 +367,27 @@ def _disagreement_told_at_shutdown(ctx):
             first = expect_raises(lambda: dist.all_reduce(t, group=g))
         dist.barrier(group=ctx.ref)  # the finder has sent its notices
         time.sleep(0.2)  # ... and they have arrived
+        if case == "roots_abort":  # abort() cannot raise: it says so on stderr
+            out[case] = [first, _stderr_of(g.abort), expect_raises(lambda: dist.destroy_process_group(g))]
+            continue
         out[case] = [first, expect_raises(lambda: dist.destroy_process_group(g))]
     return out
+
+
+def _stderr_of(fn):
+    """What ``fn`` raised (expect_raises), with what it wrote to file descriptor 2."""
+    with tempfile.TemporaryFile() as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            r = expect_raises(fn)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        r["stderr"] = f.read().decode(errors="replace")
+    return r
 
 
 @pytest.mark.ucx_semantics  # gloo has no call checks
@@ -391,6 +414,11 @@ def test_a_disagreement_nobody_reported_is_raised_at_shutdown(world):
         assert not first["raised"] and shut["raised"] and shut["type"] == "DistBackendError", what
         assert "broadcast #" in shut["msg"] and "which this rank ran as the root" in shut["msg"], what
         assert "results are wrong" in shut["msg"], what
+        aborted, destroyed = o.value["roots_abort"][1:]
+        what = f"roots_abort, rank {rank}: abort {aborted}; then destroy: {destroyed}"
+        assert not aborted["raised"] and not destroyed["raised"], what
+        assert "commux shutdown: " in aborted["stderr"], what
+        assert "which this rank ran as the root" in aborted["stderr"], what
     for rank, o in enumerate(outs):
         assert not o.value["agree"][0]["raised"] and not o.value["agree"][1]["raised"], (rank, o.value["agree"])
 
