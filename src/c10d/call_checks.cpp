@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "errors.hpp"
 #include "process_group_ucx_internal.hpp"
@@ -149,10 +150,14 @@ void ProcessGroupUCX::Impl::refuse_call(std::uint32_t current, const char* curre
                   ")");
 }
 
-bool ProcessGroupUCX::Impl::notice_look_due() noexcept {
+std::int64_t ProcessGroupUCX::Impl::coarse_ms() noexcept {
   timespec ts{};
   ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);  // a few ns: no clock source is read
-  const std::int64_t ms = static_cast<std::int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+  return static_cast<std::int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+}
+
+bool ProcessGroupUCX::Impl::notice_look_due() noexcept {
+  const std::int64_t ms = coarse_ms();
   if (notice_looked_ms_.load(std::memory_order_relaxed) == ms) return false;
   notice_looked_ms_.store(ms, std::memory_order_relaxed);
   return true;
@@ -212,16 +217,25 @@ std::string ProcessGroupUCX::Impl::untold_notices(
     }
     coll::Context c;
     c.comm = comm_.get();
-    // (Bounded: each look takes or drops the notice it finds, or ends the loop.)
+    // A rank that finds a disagreement in a call that returned here a moment ago may not have
+    // sent its notice yet: look until kShutdownNoticeGrace after the last call returned here,
+    // then a few more times (one progress call may not have moved a notice that has arrived).
+    // (Bounded: each find takes or drops the notice it finds, or ends the loop.)
+    const std::int64_t until = returned_ms_.load(std::memory_order_relaxed) +
+                               static_cast<std::int64_t>(kShutdownNoticeGrace.count());
     int misses = 0;
-    for (std::size_t n = 0; n < kMaxDead; ++n) {
+    for (std::size_t n = 0; n < kMaxDead;) {
       std::uint32_t call = 0;
       int sender = -1;
-      // (A few looks: one progress call may not yet have moved a notice that has arrived.)
       if (!coll::find_notice(c, &call, &sender)) {
+        if (coarse_ms() < until) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+          continue;
+        }
         if (++misses < 3) continue;
         break;
       }
+      ++n;
       c.tag = call;
       bool running = false;
       {

@@ -587,6 +587,7 @@ std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
     if (any_root_calls_.load(std::memory_order_acquire)) check_root_calls(t.tag, t.op_name);
     if (size_ > 1 && notice_look_due()) check_notices(t.tag, t.op_name);
     run(t);
+    if (size_ > 1) returned_ms_.store(coarse_ms(), std::memory_order_relaxed);  // untold_notices
   } catch (...) {
     err = std::current_exception();
     note_dead(t.tag, t.ntags);

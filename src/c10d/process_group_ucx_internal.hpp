@@ -64,6 +64,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // How long a pool thread serving a group leaves its schedules to the group's waiters after
   // the last one left, before it resumes them itself.
   static constexpr std::chrono::microseconds kServerGrace{200};
+  // How long after a collective returned here shutdown still looks for a notice about it
+  // (untold_notices): a rank that finds a disagreement as its call runs sends it at once.
+  static constexpr std::chrono::milliseconds kShutdownNoticeGrace{20};
   // How long shutdown() waits, beyond the communicator's shutdown timeout, for the group's threads
   // to leave it (a collective whose requests were cancelled, a future's callbacks).
   static constexpr std::chrono::seconds kDrainGrace{5};
@@ -237,6 +240,8 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // behind its peers (a broadcast receiver in a loop) holds hundreds of: every call made it 1.5x
   // slower there. A notice is then found within a few milliseconds of calls.
   bool notice_look_due() noexcept;
+  // CLOCK_MONOTONIC_COARSE in ms (a few ns: no clock source is read; ticks of 1-4 ms).
+  static std::int64_t coarse_ms() noexcept;
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
   void serve() override;
@@ -338,6 +343,7 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::vector<std::pair<std::uint32_t, std::uint32_t>> dead_;  // [dead_mu_] (tag, ntags)
   std::atomic<bool> any_dead_{false};                          // = !dead_.empty()
   std::atomic<std::int64_t> notice_looked_ms_{0};              // notice_look_due()
+  std::atomic<std::int64_t> returned_ms_{0};  // coarse_ms() when a collective last returned here
   struct RootCall {
     std::uint32_t tag;
     const char* op;
