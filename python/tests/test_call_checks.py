@@ -283,22 +283,29 @@ def _disagreement_found_after_others_finished(ctx):
     Before, the ranks that had returned were never told: their next calls succeeded, and so did
     every later one. Each case is followed by three all_reduces; what each call raised (or that
     its result was right) is recorded."""
-    me, w = ctx.rank, ctx.world
     out = {}
-    # all_to_all_single: rank s sends 2 elements to each rank, but rank 0 sends 3 to rank 1.
-    ins = [2] * w
-    if me == 0:
-        ins[1] = 3
-    x = torch.arange(sum(ins), dtype=torch.float32)
-    y = torch.zeros(2 * w)
-    first = expect_raises(lambda: dist.all_to_all_single(y, x, output_split_sizes=[2] * w,
-                                                         input_split_sizes=ins))
-    out["all_to_all_single"] = [first] + _after(w)
-    # broadcast: the non-root's tensor is a strided view (rejected before anything is posted).
-    t = torch.zeros(8)
-    first = expect_raises(lambda: dist.broadcast(t if me == 0 else t[::2], src=0))
-    out["broadcast"] = [first] + _after(w)
+    for case in ("all_to_all_single", "broadcast"):
+        out[case] = [_disagree(case, ctx.rank, ctx.world)] + _after(ctx.world)
     return out
+
+
+def _disagree(case, me, w, group=None):
+    """One rank-disagreeing call of ``case`` on ``group``; what it raised (expect_raises)."""
+    if case == "all_to_all_single":  # rank s sends 2 elements to each rank, rank 0 3 to rank 1
+        ins = [2] * w
+        if me == 0:
+            ins[1] = 3
+        x = torch.arange(sum(ins), dtype=torch.float32)
+        y = torch.zeros(2 * w)
+        return expect_raises(lambda: dist.all_to_all_single(y, x, output_split_sizes=[2] * w,
+                                                            input_split_sizes=ins, group=group))
+    if case == "broadcast":  # the non-root's tensor is a strided view, rejected before posting
+        t = torch.zeros(8)
+        return expect_raises(lambda: dist.broadcast(t if me == 0 else t[::2], src=0, group=group))
+    if case == "roots":  # each rank names itself the root: each returns its own data
+        t = torch.full((8,), float(me))
+        return expect_raises(lambda: dist.broadcast(t, src=me, group=group))
+    raise ValueError(case)
 
 
 def _after(w):
@@ -348,23 +355,11 @@ def _disagreement_told_at_shutdown(ctx):
     out = {}
     for case in ("all_to_all_single", "broadcast", "roots", "roots_abort", "agree"):
         g = dist.new_group(list(range(w)))
-        if case == "all_to_all_single":  # rank 0 sends rank 1 one element more than it takes
-            ins = [2] * w
-            if me == 0:
-                ins[1] = 3
-            x = torch.arange(sum(ins), dtype=torch.float32)
-            y = torch.zeros(2 * w)
-            first = expect_raises(lambda: dist.all_to_all_single(y, x, output_split_sizes=[2] * w,
-                                                                 input_split_sizes=ins, group=g))
-        elif case == "broadcast":  # the non-root's tensor is rejected before anything is posted
-            t = torch.zeros(8)
-            first = expect_raises(lambda: dist.broadcast(t if me == 0 else t[::2], src=0, group=g))
-        elif case.startswith("roots"):  # each rank names itself the root: each returns its own data
-            t = torch.full((8,), float(me))
-            first = expect_raises(lambda: dist.broadcast(t, src=me, group=g))
-        else:
+        if case == "agree":
             t = torch.ones(4)
             first = expect_raises(lambda: dist.all_reduce(t, group=g))
+        else:
+            first = _disagree(case.removesuffix("_abort"), me, w, group=g)
         dist.barrier(group=ctx.ref)  # the finder has sent its notices
         time.sleep(0.2)  # ... and they have arrived
         if case == "roots_abort":  # abort() cannot raise: it says so on stderr
