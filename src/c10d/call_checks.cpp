@@ -150,14 +150,10 @@ void ProcessGroupUCX::Impl::refuse_call(std::uint32_t current, const char* curre
                   ")");
 }
 
-std::int64_t ProcessGroupUCX::Impl::coarse_ms() noexcept {
+bool ProcessGroupUCX::Impl::notice_look_due() noexcept {
   timespec ts{};
   ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);  // a few ns: no clock source is read
-  return static_cast<std::int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
-}
-
-bool ProcessGroupUCX::Impl::notice_look_due() noexcept {
-  const std::int64_t ms = coarse_ms();
+  const std::int64_t ms = static_cast<std::int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
   if (notice_looked_ms_.load(std::memory_order_relaxed) == ms) return false;
   notice_looked_ms_.store(ms, std::memory_order_relaxed);
   return true;
@@ -176,25 +172,33 @@ void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* cur
   if (call == current || current - call >= 0x80000000u) return;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (const c10d_detail::Task* r : running_) {
-      if (call - r->tag < r->ntags) return;  // a call still running beside this one reads it
-    }
+    if (running_locked(call)) return;  // a call still running beside this one reads it
   }
   c.tag = call;
-  {
-    std::lock_guard<std::mutex> lk(dead_mu_);
-    for (const auto& d : dead_) {
-      if (call - d.first < d.second) {  // failed here already, and said so: only dropped
-        coll::discard_call(c);
-        return;
-      }
-    }
+  if (failed_here(call)) {  // failed here already, and said so: only dropped
+    coll::discard_call(c);
+    return;
   }
   // A call that finished here: what the other rank found, then the call's leftovers dropped.
   std::string what, found;
   coll::take_notice(c, sender, &what, &found);
   note_dead(call, 1);  // what else comes for it is dropped
   refuse_call(current, current_op, notice_text(call, sender, what, found));
+}
+
+bool ProcessGroupUCX::Impl::running_locked(std::uint32_t call) const {
+  for (const c10d_detail::Task* r : running_) {
+    if (call - r->tag < r->ntags) return true;
+  }
+  return false;
+}
+
+bool ProcessGroupUCX::Impl::failed_here(std::uint32_t call) {
+  std::lock_guard<std::mutex> lk(dead_mu_);
+  for (const auto& d : dead_) {
+    if (call - d.first < d.second) return true;
+  }
+  return false;
 }
 
 std::string ProcessGroupUCX::Impl::notice_text(std::uint32_t call, int sender,
@@ -217,18 +221,20 @@ std::string ProcessGroupUCX::Impl::untold_notices(
     }
     coll::Context c;
     c.comm = comm_.get();
+    const auto tell = [&](const std::string& text) {
+      out += (out.empty() ? "" : "\n") + std::string("commux shutdown: ") + text + " (" + where() +
+             ")";
+    };
     // A rank that finds a disagreement in a call that returned here a moment ago may not have
-    // sent its notice yet: look until kShutdownNoticeGrace after the last call returned here,
-    // then a few more times (one progress call may not have moved a notice that has arrived).
-    // (Bounded: each find takes or drops the notice it finds, or ends the loop.)
-    const std::int64_t until = returned_ms_.load(std::memory_order_relaxed) +
-                               static_cast<std::int64_t>(kShutdownNoticeGrace.count());
+    // sent its notice yet: look until kShutdownNoticeGrace after the last call finished here (the
+    // flight recorder's stamp), then a few more times (one progress call may not have moved a
+    // notice that has arrived). (Bounded: each find takes or drops the notice it finds.)
     int misses = 0;
     for (std::size_t n = 0; n < kMaxDead;) {
       std::uint32_t call = 0;
       int sender = -1;
       if (!coll::find_notice(c, &call, &sender)) {
-        if (coarse_ms() < until) {
+        if (recorder_->since_completed() < kShutdownNoticeGrace) {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
           continue;
         }
@@ -237,28 +243,21 @@ std::string ProcessGroupUCX::Impl::untold_notices(
       }
       ++n;
       c.tag = call;
-      bool running = false;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        for (const c10d_detail::Task* r : running_) running = running || call - r->tag < r->ntags;
+        if (running_locked(call)) break;  // a call in flight reads it (it fails as we shut down)
       }
-      if (running) break;  // a call in flight reads it (it fails as the group shuts down)
-      // A call this rank never made, or never ran: nothing of it returned here.
-      bool dead = call - issued < 0x80000000u;
-      for (const auto& t : never_ran) dead = dead || call - t->tag < t->ntags;
-      {
-        std::lock_guard<std::mutex> lk(dead_mu_);
-        for (const auto& d : dead_) dead = dead || call - d.first < d.second;
-      }
-      if (dead) {  // failed here already, and said so: only dropped
+      // A call this rank never made, never ran, or failed here (and said so): only dropped.
+      bool dropped = call - issued < 0x80000000u || failed_here(call);
+      for (const auto& t : never_ran) dropped = dropped || call - t->tag < t->ntags;
+      if (dropped) {
         coll::discard_call(c);
         continue;
       }
       std::string what, found;
       coll::take_notice(c, sender, &what, &found);
       note_dead(call, 1);
-      out += (out.empty() ? "" : "\n") + std::string("commux shutdown: ") +
-             notice_text(call, sender, what, found) + " (" + where() + ")";
+      tell(notice_text(call, sender, what, found));
     }
     // The root calls still watched (check_root_calls), whatever looks they had left: a message
     // one never took has arrived by now if the notices have.
@@ -270,16 +269,14 @@ std::string ProcessGroupUCX::Impl::untold_notices(
     }
     auto& chan = ::commux::detail::channel(*comm_);
     for (const auto& r : roots) {
-      bool running = false;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        for (const c10d_detail::Task* t : running_) running = running || r.tag - t->tag < t->ntags;
+        if (running_locked(r.tag)) continue;
       }
       ::commux::detail::Unexpected u{};
-      if (running || !chan.probe(TagKind::kInternal, kAnySource, r.tag, 0xFFFF, &u)) continue;
+      if (!chan.probe(TagKind::kInternal, kAnySource, r.tag, 0xFFFF, &u)) continue;
       chan.discard(TagKind::kInternal, r.tag, 0xFFFF);
-      out += (out.empty() ? "" : "\n") + std::string("commux shutdown: ") +
-             root_call_text(r, u.sender) + " (" + where() + ")";
+      tell(root_call_text(r, u.sender));
     }
   } catch (...) {
     // the transport failed while looking: nothing more can be learnt from it

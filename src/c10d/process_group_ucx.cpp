@@ -73,6 +73,15 @@ namespace {
 
 constexpr std::size_t kSpinWaitBytes = std::size_t{256} << 10;
 
+// Where shutdown's findings (Impl::untold_) cannot be raised (the destructor, abort()): stderr,
+// once.
+void print_untold(std::string& untold) {
+  if (untold.empty()) return;
+  std::fprintf(stderr, "%s\n", untold.c_str());
+  std::fflush(stderr);
+  untold.clear();
+}
+
 // --- Store adapter: torch's (prefix-scoped) c10d::Store as a commux::Store --------------------
 
 class C10dStore final : public Store {
@@ -207,10 +216,7 @@ ProcessGroupUCX::~ProcessGroupUCX() {
   // A thread still inside the group (a future callback that never returns) would use it after
   // free: leave the group's state in place instead (shutdown() said so on stderr).
   const bool drained = impl_->shutdown();
-  if (!impl_->untold_.empty()) {
-    std::fprintf(stderr, "%s\n", impl_->untold_.c_str());
-    std::fflush(stderr);
-  }
+  print_untold(impl_->untold_);
   if (!drained) static_cast<void>(impl_.release());
 }
 
@@ -587,7 +593,6 @@ std::exception_ptr ProcessGroupUCX::Impl::execute(Task& t) {
     if (any_root_calls_.load(std::memory_order_acquire)) check_root_calls(t.tag, t.op_name);
     if (size_ > 1 && notice_look_due()) check_notices(t.tag, t.op_name);
     run(t);
-    if (size_ > 1) returned_ms_.store(coarse_ms(), std::memory_order_relaxed);  // untold_notices
   } catch (...) {
     err = std::current_exception();
     note_dead(t.tag, t.ntags);
@@ -1598,11 +1603,7 @@ void ProcessGroupUCX::shutdown() {
 
 void ProcessGroupUCX::abort() {
   static_cast<void>(impl_->shutdown());
-  std::string untold = std::exchange(impl_->untold_, std::string());
-  if (!untold.empty()) {
-    std::fprintf(stderr, "%s\n", untold.c_str());
-    std::fflush(stderr);
-  }
+  print_untold(impl_->untold_);
 }
 uint64_t ProcessGroupUCX::getSequenceNumberForGroup() { return impl_->getSequenceNumberForGroup(); }
 c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::send(std::vector<at::Tensor>& tensors, int dstRank,

@@ -240,8 +240,10 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // behind its peers (a broadcast receiver in a loop) holds hundreds of: every call made it 1.5x
   // slower there. A notice is then found within a few milliseconds of calls.
   bool notice_look_due() noexcept;
-  // CLOCK_MONOTONIC_COARSE in ms (a few ns: no clock source is read; ticks of 1-4 ms).
-  static std::int64_t coarse_ms() noexcept;
+  // [mu_] Whether call `call` is one of a running task's tags.
+  bool running_locked(std::uint32_t call) const;
+  // Whether call `call` failed here (and said so): its leftovers are only dropped.
+  bool failed_here(std::uint32_t call);
   std::chrono::milliseconds effective(std::chrono::milliseconds op_timeout) const;
   // CollectivePool::Client: runs the queue until it is empty (on a pool thread).
   void serve() override;
@@ -343,7 +345,6 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   std::vector<std::pair<std::uint32_t, std::uint32_t>> dead_;  // [dead_mu_] (tag, ntags)
   std::atomic<bool> any_dead_{false};                          // = !dead_.empty()
   std::atomic<std::int64_t> notice_looked_ms_{0};              // notice_look_due()
-  std::atomic<std::int64_t> returned_ms_{0};  // coarse_ms() when a collective last returned here
   struct RootCall {
     std::uint32_t tag;
     const char* op;
