@@ -3,7 +3,10 @@
 it, that another rank found the ranks' calls disagreeing. Each round makes a group, runs an
 all_to_all_single in which rank 0 sends rank 1 one element more than rank 1's output splits
 take (rank 1 fails the call and tells the others; the other ranks get what they expect and
-return), and destroys the group at once, with no synchronization between the ranks. Prints,
+return), and destroys the group at once, with no synchronization between the ranks. With
+--case broadcast, a broadcast from rank 0 whose other ranks reject their tensor (a strided view)
+instead: rank 0 returns at once. --late-ms MS: the ranks other than 0 make their call MS later
+(rank 0 returns from a broadcast, and reaches its destroy, before they find anything). Prints,
 per build, how many of the ranks that returned had destroy_process_group raise the
 disagreement, how long their destroy took (median and largest, ms), and on how many ranks whose
 own call failed destroy raised it once more (it should not): the installed package,
@@ -11,7 +14,7 @@ and each OLD directory given (made with `pip install --no-deps --no-build-isolat
 OLD .` in a worktree), in alternating launches.
 
     .venv/bin/python bench/experiments/shutdown_notice.py [OLD ...] [--ranks 2] [--rounds 10]
-                                                         [--launches 2]
+                  [--launches 2] [--case all_to_all_single|broadcast] [--late-ms 0]
 
 A destroy that returns quietly here leaves wrong results unreported. UCX_NET_DEVICES=lo unless
 set.
@@ -41,15 +44,22 @@ def run_rank(job):
            "spurious": 0}
     for _ in range(job["rounds"]):
         g = dist.new_group(list(range(w)))
-        ins = [2] * w
-        if me == 0:
-            ins[1] = 3
-        x = torch.arange(sum(ins), dtype=torch.float32)
-        y = torch.zeros(2 * w)
+        if me != 0 and job["late_ms"] > 0:
+            time.sleep(job["late_ms"] / 1e3)
         try:
-            dist.all_to_all_single(y, x, output_split_sizes=[2] * w, input_split_sizes=ins, group=g)
+            if job["case"] == "broadcast":  # the other ranks' tensor is rejected before posting
+                t = torch.zeros(8)
+                dist.broadcast(t if me == 0 else t[::2], src=0, group=g)
+            else:
+                ins = [2] * w
+                if me == 0:
+                    ins[1] = 3
+                x = torch.arange(sum(ins), dtype=torch.float32)
+                y = torch.zeros(2 * w)
+                dist.all_to_all_single(y, x, output_split_sizes=[2] * w, input_split_sizes=ins,
+                                       group=g)
             returned = True
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             returned = False
         t0 = time.monotonic()
         try:
@@ -69,7 +79,7 @@ def run_rank(job):
 
 def one_launch(a):
     """This process as one launch (the build its PYTHONPATH gives): prints one JSON line."""
-    job = {"rounds": a.rounds, "env": {}}
+    job = {"rounds": a.rounds, "case": a.case, "late_ms": a.late_ms, "env": {}}
     results, errors = launch_ranks(a.ranks, run_rank, job, 300, "shutdown_notice")
     if errors or len(results) != a.ranks:
         for e in errors:
@@ -89,6 +99,9 @@ def main():
     p.add_argument("--ranks", type=positive, default=2)
     p.add_argument("--rounds", type=positive, default=10)
     p.add_argument("--launches", type=positive, default=2, help="per build")
+    p.add_argument("--case", choices=("all_to_all_single", "broadcast"), default="all_to_all_single")
+    p.add_argument("--late-ms", type=float, default=0.0,
+                   help="the ranks other than 0 make their call this much later")
     p.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.ranks < 2:
@@ -98,13 +111,14 @@ def main():
         return one_launch(a)
     builds = [None] + [build_dir(p, d) for d in a.old]
     args = [sys.executable, __file__, "--one-launch", "--ranks", str(a.ranks),
-            "--rounds", str(a.rounds)]
+            "--rounds", str(a.rounds), "--case", a.case, "--late-ms", str(a.late_ms)]
     try:
         runs = alternate_builds(args, builds, a.launches, 400, "shutdown_notice")
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
-    print(f"{a.ranks} ranks, {a.launches} launches of {a.rounds} rounds per build")
+    print(f"{a.ranks} ranks, {a.case}, others {a.late_ms:g} ms late, {a.launches} launches of "
+          f"{a.rounds} rounds per build")
     print("| build | ranks that returned | told at destroy | destroy median ms | max ms | "
           "told though its call failed |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -172,8 +172,17 @@ std::size_t discard_call(const Context& ctx);
 // sender. take_notice takes the notice of call ctx.tag from `sender`, drops the call's other
 // leftovers (discard_call), and gives the call as the sender described it ("alltoall #0 (...)")
 // and what it found there (empty where unknown).
+// take_notice returns the notice's kind: 'R' (the sender rejected the call), 'M' (it found the
+// ranks' calls disagreeing, or stopped the call), 'S' (say_shutdown: the sender never made the
+// call; its other leftovers are kept), or '\0' (no notice from `sender`).
 bool find_notice(const Context& ctx, std::uint32_t* call, int* sender);
-void take_notice(const Context& ctx, int sender, std::string* what, std::string* reason);
+char take_notice(const Context& ctx, int sender, std::string* what, std::string* reason);
+// Tells the other ranks that this rank has shut its collectives on ctx.comm down, and that
+// ctx.tag is the first call it never made. It follows everything this rank sent before it (UCX
+// keeps an endpoint's messages in order), so a rank that has taken every peer's has every notice
+// they sent it; a rank waiting in call ctx.tag fails at once with kCallMismatch naming this rank.
+// Never throws.
+void say_shutdown(const Context& ctx) noexcept;
 // A collective that fails cancels its requests, but a rendezvous transfer the transport has begun
 // cannot always be taken back: it may still read from or write into the call's buffers after the
 // call has thrown (its scratch is kept for it). Freeing such a buffer lets the transport read freed

@@ -418,6 +418,76 @@ def test_a_disagreement_nobody_reported_is_raised_at_shutdown(world):
         assert not o.value["agree"][0]["raised"] and not o.value["agree"][1]["raised"], (rank, o.value["agree"])
 
 
+LATE_S = 0.3  # seconds: the late ranks' delay, far past any fixed look at shutdown
+
+
+def _late_disagreement_told_at_shutdown(ctx):
+    """Two disagreements that rank 0 returns from at once, while the other ranks make their part
+    of the call LATE_S later: a broadcast whose non-roots reject their tensor, and one whose ranks
+    each name themselves the root. Rank 0 destroys its group right after returning. Before, its
+    destroy looked for notices for 20 ms only and returned quietly: its peers' rejection (or their
+    stray messages as roots) came later. Now it waits until every peer has shut the group down,
+    and so has whatever they sent before. What each rank's call and destroy raised."""
+    me, w = ctx.rank, ctx.world
+    out = {}
+    for case in ("broadcast", "roots"):
+        g = dist.new_group(list(range(w)))
+        dist.barrier(group=ctx.ref)
+        if me != 0:
+            time.sleep(LATE_S)
+        first = _disagree(case, me, w, group=g)
+        out[case] = [first, expect_raises(lambda: dist.destroy_process_group(g))]
+    return out
+
+
+@pytest.mark.ucx_semantics  # gloo has no call checks
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_disagreement_found_long_after_a_rank_returned_is_raised_at_its_shutdown(world):
+    outs, closed = mp.run_once(_late_disagreement_told_at_shutdown, world, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    for case, said in (("broadcast", "which had finished on this rank"),
+                       ("roots", "which this rank ran as the root")):
+        first, shut = outs[0].value[case]
+        what = f"{case}, rank 0: {first['msg'] or 'returned'}; then destroy: {shut}"
+        assert not first["raised"], what
+        assert shut["raised"] and shut["type"] == "DistBackendError", what
+        assert "broadcast #" in shut["msg"] and said in shut["msg"], what
+        assert "results are wrong" in shut["msg"], what
+        for rank in range(1, world):  # the late ranks: their own call failed, or their destroy
+            first, shut = outs[rank].value[case]
+            assert first["raised"] or shut["raised"], (case, rank, first, shut)
+
+
+def _call_after_a_peer_shut_down(ctx):
+    """Rank 0 destroys its group after one all_reduce; the other ranks make a second all_reduce
+    on it. What that call raised, and how long it took; then what their destroy raised."""
+    me, w = ctx.rank, ctx.world
+    g = dist.new_group(list(range(w)))
+    t = torch.ones(4)
+    dist.all_reduce(t, group=g)
+    if me == 0:
+        return {"destroy": expect_raises(lambda: dist.destroy_process_group(g))}
+    second = expect_raises(lambda: dist.all_reduce(torch.ones(4), group=g))
+    return {"second": second, "destroy": expect_raises(lambda: dist.destroy_process_group(g))}
+
+
+@pytest.mark.ucx_semantics
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_call_made_after_a_peer_shut_its_group_down_names_the_shutdown(world):
+    outs, closed = mp.run_once(_call_after_a_peer_shut_down, world, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    assert not outs[0].value["destroy"]["raised"], outs[0].value
+    for rank in range(1, world):
+        second = outs[rank].value["second"]
+        what = f"rank {rank}: {second}"
+        assert second["raised"] and second["type"] == "DistBackendError", what
+        assert "rank 0 shut the process group down without making this call" in second["msg"], what
+        assert "allreduce #1" in second["msg"], what
+        assert second["s"] < FAST, what
+
+
 def _late_peer_after_a_timeout(ctx):
     """4 ranks: a reduce whose ranks disagree on the root (rank 0 names 3, the others 0) leaves
     ranks 0-2 waiting out their timeouts while rank 3 goes on to an all_gather with a tensor list

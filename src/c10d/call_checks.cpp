@@ -181,9 +181,9 @@ void ProcessGroupUCX::Impl::check_notices(std::uint32_t current, const char* cur
   }
   // A call that finished here: what the other rank found, then the call's leftovers dropped.
   std::string what, found;
-  coll::take_notice(c, sender, &what, &found);
+  const char kind = coll::take_notice(c, sender, &what, &found);
   note_dead(call, 1);  // what else comes for it is dropped
-  refuse_call(current, current_op, notice_text(call, sender, what, found));
+  refuse_call(current, current_op, notice_text(call, sender, kind, what, found));
 }
 
 bool ProcessGroupUCX::Impl::running_locked(std::uint32_t call) const {
@@ -201,16 +201,20 @@ bool ProcessGroupUCX::Impl::failed_here(std::uint32_t call) {
   return false;
 }
 
-std::string ProcessGroupUCX::Impl::notice_text(std::uint32_t call, int sender,
+std::string ProcessGroupUCX::Impl::notice_text(std::uint32_t call, int sender, char kind,
                                                const std::string& what, const std::string& found) {
-  return "rank " + std::to_string(sender) + " stopped call #" + std::to_string(call) +
-         (what.empty() ? "" : " (" + what + " there)") + ", which had finished on this rank" +
-         (found.empty() ? "" : ": " + found) + "; the ranks' calls #" + std::to_string(call) +
+  const std::string head =
+      kind == 'S' ? "rank " + std::to_string(sender) +
+                        " shut the process group down without making call #" + std::to_string(call)
+                  : "rank " + std::to_string(sender) + " stopped call #" + std::to_string(call) +
+                        (what.empty() ? "" : " (" + what + " there)");
+  return head + ", which had finished on this rank" + (found.empty() ? "" : ": " + found) +
+         "; the ranks' calls #" + std::to_string(call) +
          " disagreed, so its results are wrong on some ranks";
 }
 
 std::string ProcessGroupUCX::Impl::untold_notices(
-    const std::deque<std::shared_ptr<c10d_detail::Task>>& never_ran) noexcept {
+    const std::deque<std::shared_ptr<c10d_detail::Task>>& never_ran, bool wait_peers) noexcept {
   std::string out;
   if (size_ <= 1 || !comm_) return out;
   try {
@@ -221,20 +225,30 @@ std::string ProcessGroupUCX::Impl::untold_notices(
     }
     coll::Context c;
     c.comm = comm_.get();
+    c.tag = issued;
+    // After everything this rank sent: a peer that has this has all of this rank's notices.
+    coll::say_shutdown(c);
     const auto tell = [&](const std::string& text) {
       out += (out.empty() ? "" : "\n") + std::string("commux shutdown: ") + text + " (" + where() +
              ")";
     };
-    // A rank that finds a disagreement in a call that returned here a moment ago may not have
-    // sent its notice yet: look until kShutdownNoticeGrace after the last call finished here (the
-    // flight recorder's stamp), then a few more times (one progress call may not have moved a
-    // notice that has arrived). (Bounded: each find takes or drops the notice it finds.)
+    // A rank that finds a disagreement in a call that returned here may send its notice after
+    // this rank shut down: look until every peer has shut down too (its notices came before its
+    // say_shutdown), for at most kShutdownPeerWait; then a few more times (one progress call may
+    // not have moved a notice that has arrived). With no collective made, nothing is owed.
+    // (Bounded: each find takes or drops the notice it finds.)
+    std::vector<char> said(static_cast<std::size_t>(size_), 0);
+    said[rank_] = 1;
+    int left = wait_peers && issued != 0 ? size_ - 1 : 0;
+    const auto until =
+        std::chrono::steady_clock::now() +
+        std::min<std::chrono::milliseconds>(kShutdownPeerWait, comm_->options().shutdown_timeout);
     int misses = 0;
-    for (std::size_t n = 0; n < kMaxDead;) {
+    for (std::size_t n = 0; n < kMaxDead + static_cast<std::size_t>(size_);) {
       std::uint32_t call = 0;
       int sender = -1;
       if (!coll::find_notice(c, &call, &sender)) {
-        if (recorder_->since_completed() < kShutdownNoticeGrace) {
+        if (left > 0 && std::chrono::steady_clock::now() < until) {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
           continue;
         }
@@ -247,17 +261,19 @@ std::string ProcessGroupUCX::Impl::untold_notices(
         std::lock_guard<std::mutex> lk(mu_);
         if (running_locked(call)) break;  // a call in flight reads it (it fails as we shut down)
       }
-      // A call this rank never made, never ran, or failed here (and said so): only dropped.
+      std::string what, found;
+      const char kind = coll::take_notice(c, sender, &what, &found);
+      if (kind == 'S' && sender >= 0 && sender < size_ && said[sender] == 0) {
+        said[sender] = 1;
+        --left;
+      }
+      // A call this rank never made (the peer's shutdown, or a call of ranks that made more), a
+      // call that failed here (and said so), or one that never ran: only dropped.
       bool dropped = call - issued < 0x80000000u || failed_here(call);
       for (const auto& t : never_ran) dropped = dropped || call - t->tag < t->ntags;
-      if (dropped) {
-        coll::discard_call(c);
-        continue;
-      }
-      std::string what, found;
-      coll::take_notice(c, sender, &what, &found);
+      if (dropped) continue;
       note_dead(call, 1);
-      tell(notice_text(call, sender, what, found));
+      tell(notice_text(call, sender, kind, what, found));
     }
     // The root calls still watched (check_root_calls), whatever looks they had left: a message
     // one never took has arrived by now if the notices have.

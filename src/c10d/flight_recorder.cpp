@@ -314,12 +314,6 @@ std::int64_t FlightRecorder::coarse_wall_us() const {
   return static_cast<std::int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000 + wall_offset_us_;
 }
 
-std::chrono::microseconds FlightRecorder::since_completed() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!any_completed_) return std::chrono::microseconds::max();
-  return std::chrono::microseconds(coarse_wall_us() - last_completed_.finished_us);
-}
-
 std::exception_ptr FlightRecorder::finished(std::uint64_t seq, std::exception_ptr error) {
   const std::int64_t t = error ? now_wall_us() : coarse_wall_us();
   bool timed_out = false;

@@ -73,8 +73,6 @@ class FlightRecorder {
   // time in a blocking 8-byte call, and nothing reads a finished call's time finer than that. A
   // failed one reads the precise clock (its hang report says how long it ran).
   std::exception_ptr finished(std::uint64_t seq, std::exception_ptr error);
-  // How long ago (coarse clock) the last call that succeeded finished; a large value when none.
-  std::chrono::microseconds since_completed() const;
   // The answering thread's check for a question (see above); never throws.
   void poll();
 

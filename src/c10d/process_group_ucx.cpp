@@ -215,7 +215,7 @@ ProcessGroupUCX::ProcessGroupUCX(const c10::intrusive_ptr<c10d::Store>& store, i
 ProcessGroupUCX::~ProcessGroupUCX() {
   // A thread still inside the group (a future callback that never returns) would use it after
   // free: leave the group's state in place instead (shutdown() said so on stderr).
-  const bool drained = impl_->shutdown();
+  const bool drained = impl_->shutdown(true);
   print_untold(impl_->untold_);
   if (!drained) static_cast<void>(impl_.release());
 }
@@ -242,7 +242,7 @@ std::uint64_t ProcessGroupUCX::scheduled_calls() const {
   return impl_->scheduled_calls_.load(std::memory_order_relaxed);
 }
 
-bool ProcessGroupUCX::Impl::shutdown() {
+bool ProcessGroupUCX::Impl::shutdown(bool wait_peers) {
   std::deque<std::shared_ptr<Task>> left;
   bool submit = false;
   // The progress thread stops resuming schedules (this returns once its call has ended); the
@@ -263,7 +263,7 @@ bool ProcessGroupUCX::Impl::shutdown() {
   if (submit) c10d_detail::CollectivePool::instance().submit(this);
   // A disagreement another rank found in a call that returned here, which no later collective
   // on this group will now report (check_notices): its results are wrong on some rank.
-  untold_ = untold_notices(left);
+  untold_ = untold_notices(left, wait_peers);
   // Closing the communicator cancels whatever is posted (bounded by the shutdown timeout), so a
   // collective a pool thread is running fails promptly instead of waiting for its deadline.
   if (comm_) comm_->shutdown();
@@ -1595,14 +1595,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupUCX::Impl::alltoall(std::vector<at::T
 // --- the c10d::Backend entry points: forwarded to the Impl -------------------------------------
 
 void ProcessGroupUCX::shutdown() {
-  static_cast<void>(impl_->shutdown());
+  static_cast<void>(impl_->shutdown(true));
   // (Raised once: the destructor, and a second shutdown, have nothing more to say.)
   std::string untold = std::exchange(impl_->untold_, std::string());
   if (!untold.empty()) c10d_detail::throw_backend_error(untold);
 }
 
 void ProcessGroupUCX::abort() {
-  static_cast<void>(impl_->shutdown());
+  static_cast<void>(impl_->shutdown(false));
   print_untold(impl_->untold_);
 }
 uint64_t ProcessGroupUCX::getSequenceNumberForGroup() { return impl_->getSequenceNumberForGroup(); }

@@ -64,9 +64,10 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // How long a pool thread serving a group leaves its schedules to the group's waiters after
   // the last one left, before it resumes them itself.
   static constexpr std::chrono::microseconds kServerGrace{200};
-  // How long after a collective returned here shutdown still looks for a notice about it
-  // (untold_notices): a rank that finds a disagreement as its call runs sends it at once.
-  static constexpr std::chrono::milliseconds kShutdownNoticeGrace{20};
+  // How long shutdown waits for every peer to say that it shut the group down too
+  // (untold_notices; at most the communicator's shutdown timeout): once all have, every notice
+  // they sent has arrived. A peer that shuts down later than this is not waited for.
+  static constexpr std::chrono::milliseconds kShutdownPeerWait{1000};
   // How long shutdown() waits, beyond the communicator's shutdown timeout, for the group's threads
   // to leave it (a collective whose requests were cancelled, a future's callbacks).
   static constexpr std::chrono::seconds kDrainGrace{5};
@@ -85,8 +86,9 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // The entry points of ProcessGroupUCX (see commux/process_group_ucx.hpp).
   // Waits for the group's threads to leave it, for at most the communicator's shutdown timeout
   // plus kDrainGrace. False when one still had not (it says so on stderr): the Impl must then
-  // outlive them, and the backend's destructor leaves it in place.
-  bool shutdown();
+  // outlive them, and the backend's destructor leaves it in place. `wait_peers` false (abort()):
+  // no wait for the peers' own shutdown (untold_notices).
+  bool shutdown(bool wait_peers);
   uint64_t getSequenceNumberForGroup();
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag);
@@ -226,14 +228,17 @@ struct ProcessGroupUCX::Impl final : c10d_detail::CollectivePool::Client, c10d_d
   // wrong on some rank, and nothing else would tell this one).
   void check_notices(std::uint32_t current, const char* current_op);
   // At shutdown, where no later collective will read them: the notices of calls that finished
-  // here (one progress call and probe each), and the messages of root calls that this rank never
-  // took (check_root_calls), taken and described, one line per call; "" if none. `never_ran`:
-  // the calls shutdown took off the queue (they fail saying so). A message still on its way when
-  // the group shuts down is not seen.
-  std::string untold_notices(
-      const std::deque<std::shared_ptr<c10d_detail::Task>>& never_ran) noexcept;
-  // What check_notices and untold_notices say of the notice of call `call` from `sender`.
-  static std::string notice_text(std::uint32_t call, int sender, const std::string& what,
+  // here, and the messages of root calls that this rank never took (check_root_calls), taken and
+  // described, one line per call; "" if none. `never_ran`: the calls shutdown took off the queue
+  // (they fail saying so). It first tells the peers that this rank shut down (coll::say_shutdown);
+  // with `wait_peers` (and a collective made), it then looks until every peer has said so too, or
+  // kShutdownPeerWait has passed: a peer's notices arrive before its own shutdown's. A message
+  // from a peer that shuts down later than that is not seen.
+  std::string untold_notices(const std::deque<std::shared_ptr<c10d_detail::Task>>& never_ran,
+                             bool wait_peers) noexcept;
+  // What check_notices and untold_notices say of the notice (of kind `kind`, see
+  // coll::take_notice) of call `call` from `sender`.
+  static std::string notice_text(std::uint32_t call, int sender, char kind, const std::string& what,
                                  const std::string& found);
   // Whether check_notices runs before this call: at most once per tick of the coarse clock (1-4
   // ms). Its probe walks the transport's whole queue of unexpected messages, which a rank far

@@ -15,6 +15,10 @@
 //     of waiting for one that has given up.
 // A notice's payload is one kind byte ('R' rejected, 'M' in a different call), the sender's
 // description of its call ("broadcast #7 (1000 float32 from root 0)"), a newline, and the reason.
+// A third kind, 'S' (say_shutdown), has no call: its sender shut its collectives down, and its tag
+// is that of the first call it never made. It is sent after everything else the rank sent, so a
+// rank that has received every peer's 'S' has received every notice the peers will ever send it
+// (UCX matches the messages of one endpoint in the order they were sent).
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -79,6 +83,13 @@ std::uint32_t call_wire_tag(std::uint32_t tag, std::uint64_t fingerprint) noexce
 void reject(const Context& ctx, const std::string& reason) noexcept {
   try {
     send_notices(ctx, "R" + call_name(ctx) + "\n" + reason);
+  } catch (...) {
+  }
+}
+
+void say_shutdown(const Context& ctx) noexcept {
+  try {
+    send_notices(ctx, "S\n");
   } catch (...) {
   }
 }
@@ -208,7 +219,10 @@ void Exchange::noticed(int peer, const std::string& notice) {
   const auto [kind, what, reason] = split_notice(notice);
   const std::string mine = describe_call();
   std::string msg;
-  if (kind == 'R') {
+  if (kind == 'S') {
+    msg = "rank " + std::to_string(peer) +
+          " shut the process group down without making this call; this rank is in " + mine;
+  } else if (kind == 'R') {
     msg = "rank " + std::to_string(peer) + " rejected its call " + what + ": " + reason +
           "; this rank is in " + mine;
   } else {
@@ -251,18 +265,20 @@ bool find_notice(const Context& ctx, std::uint32_t* call, int* sender) {
   return true;
 }
 
-void take_notice(const Context& ctx, int sender, std::string* what, std::string* reason) {
-  if (ctx.comm == nullptr) return;
+char take_notice(const Context& ctx, int sender, std::string* what, std::string* reason) {
+  if (ctx.comm == nullptr) return '\0';
   ::commux::detail::Channel& chan = ::commux::detail::channel(*ctx.comm);
   ::commux::detail::Unexpected u{};
   std::string text;
   if (chan.probe(TagKind::kNotice, sender, ctx.tag, ~std::uint32_t{0}, &u)) {
     text = detail::take_notice(chan, u, ctx.tag);
   }
-  discard_call(ctx);
   detail::NoticeText n = detail::split_notice(text);
+  // (Every rank that shuts down says so with the same tag: the others' are left for their turn.)
+  if (n.kind != 'S') discard_call(ctx);
   *what = std::move(n.what);
   *reason = std::move(n.reason);
+  return text.empty() ? '\0' : n.kind;
 }
 
 }  // namespace commux::coll
