@@ -483,7 +483,7 @@ def test_a_call_made_after_a_peer_shut_its_group_down_names_the_shutdown(world):
         second = outs[rank].value["second"]
         what = f"rank {rank}: {second}"
         assert second["raised"] and second["type"] == "DistBackendError", what
-        assert "rank 0 shut the process group down without making this call" in second["msg"], what
+        assert "rank 0 shut down the process group without making this call" in second["msg"], what
         assert "allreduce #1" in second["msg"], what
         assert second["s"] < FAST, what
 

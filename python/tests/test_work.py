@@ -381,8 +381,9 @@ def test_async_collective_with_p2p_in_both_orders(ranks, ws):
 def _shutdown_in_flight(ctx):
     """A group shut down while collectives are in flight on it: rank 0 issues five async
     collectives on a new group (up to three at once) that no other rank joins, then destroys the
-    group. Every Work fails within seconds with an error saying the group was shut down (never a
-    hang, never a success), and the default group goes on giving right results."""
+    group. Every Work fails within seconds with an error saying the group was shut down (by rank 0,
+    or before that by a peer that destroyed it without joining: never a hang, never a success),
+    and the default group goes on giving right results."""
     W, me = ctx.world, ctx.rank
     g = _group_with("COMMUX_INFLIGHT", "3")  # three running, two queued
     dist.barrier(group=ctx.ref)

@@ -205,7 +205,7 @@ std::string ProcessGroupUCX::Impl::notice_text(std::uint32_t call, int sender, c
                                                const std::string& what, const std::string& found) {
   const std::string head =
       kind == 'S' ? "rank " + std::to_string(sender) +
-                        " shut the process group down without making call #" + std::to_string(call)
+                        " shut down the process group without making call #" + std::to_string(call)
                   : "rank " + std::to_string(sender) + " stopped call #" + std::to_string(call) +
                         (what.empty() ? "" : " (" + what + " there)");
   return head + ", which had finished on this rank" + (found.empty() ? "" : ": " + found) +

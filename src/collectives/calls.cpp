@@ -221,7 +221,7 @@ void Exchange::noticed(int peer, const std::string& notice) {
   std::string msg;
   if (kind == 'S') {
     msg = "rank " + std::to_string(peer) +
-          " shut the process group down without making this call; this rank is in " + mine;
+          " shut down the process group without making this call; this rank is in " + mine;
   } else if (kind == 'R') {
     msg = "rank " + std::to_string(peer) + " rejected its call " + what + ": " + reason +
           "; this rank is in " + mine;
