@@ -24,6 +24,10 @@
 //     and a probe of the transport's unexpected messages, at most once per coarse-clock tick)
 //     and fails that collective on every rank, naming the earlier call and what the other rank
 //     found.
+//   * A group that makes no later collective is told at shutdown (untold_notices): each rank
+//     that shuts the group down sends the others a last notice (coll::say_shutdown) and looks
+//     until it has every peer's, for at most kShutdownPeerWait; a peer's notices and stray root
+//     messages arrive before its last one. A call a peer never made fails on that notice.
 #include <c10/util/Exception.h>
 #include <time.h>
 
