@@ -87,12 +87,7 @@ void reject(const Context& ctx, const std::string& reason) noexcept {
   }
 }
 
-void say_shutdown(const Context& ctx) noexcept {
-  try {
-    send_notices(ctx, "S\n");
-  } catch (...) {
-  }
-}
+void say_shutdown(const Context& ctx) noexcept { send_notices(ctx, "S\n"); }
 
 std::size_t discard_call(const Context& ctx) {
   if (ctx.comm == nullptr) return 0;
