@@ -169,13 +169,13 @@ std::size_t discard_call(const Context& ctx);
 // or stops it tells every other rank, and one that had finished that call never reads it.
 // find_notice looks for one of any call on ctx.comm (one progress call and one probe of the
 // transport's unexpected messages, which it walks whole), without taking it: its call's tag and
-// sender. take_notice takes the notice of call ctx.tag from `sender`, drops the call's other
+// sender; from `from` only where it names a rank (a sender's notices arrive in the order sent). take_notice takes the notice of call ctx.tag from `sender`, drops the call's other
 // leftovers (discard_call), and gives the call as the sender described it ("alltoall #0 (...)")
 // and what it found there (empty where unknown).
 // take_notice returns the notice's kind: 'R' (the sender rejected the call), 'M' (it found the
 // ranks' calls disagreeing, or stopped the call), 'S' (say_shutdown: the sender never made the
 // call; its other leftovers are kept), or '\0' (no notice from `sender`).
-bool find_notice(const Context& ctx, std::uint32_t* call, int* sender);
+bool find_notice(const Context& ctx, std::uint32_t* call, int* sender, int from = kAnySource);
 char take_notice(const Context& ctx, int sender, std::string* what, std::string* reason);
 // Tells the other ranks that this rank has shut its collectives on ctx.comm down, and that
 // ctx.tag is the first call it never made. It follows everything this rank sent before it (UCX

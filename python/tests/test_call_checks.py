@@ -459,6 +459,52 @@ def test_a_disagreement_found_long_after_a_rank_returned_is_raised_at_its_shutdo
             assert first["raised"] or shut["raised"], (case, rank, first, shut)
 
 
+def _late_notice_behind_a_running_call(ctx):
+    """3 ranks. Rank 0 roots a broadcast (call #0 of a new group), returns at once, issues an
+    async all_reduce (#1) and destroys the group while #1 still runs there: rank 1 rejected its
+    #1 at once, so its notice for #1 is the first thing rank 0's destroy finds, and rank 2
+    rejects its part of the broadcast LATE_S late, then shuts the group down. Before, rank 0's
+    destroy stopped looking at the running call's notice and returned quietly, though rank 2's
+    rejection of the broadcast rank 0 had returned from came soon after. What each rank's calls,
+    destroy and wait raised."""
+    me, w = ctx.rank, ctx.world
+    g = dist.new_group(list(range(w)))
+    dist.barrier(group=ctx.ref)
+    if me == 2:
+        time.sleep(LATE_S)
+    t = torch.zeros(8)
+    out = {"broadcast": expect_raises(lambda: dist.broadcast(t if me != 2 else t[::2], src=0,
+                                                             group=g))}
+    if me == 0:
+        work = dist.all_reduce(torch.ones(4), group=g, async_op=True)
+        time.sleep(0.005)  # a collective thread runs it, waiting for rank 1
+        out["destroy"] = expect_raises(lambda: dist.destroy_process_group(g))
+        out["wait"] = expect_raises(work.wait)
+    else:
+        if me == 1:  # a strided tensor: rejected before anything is posted, the others told
+            out["all_reduce"] = expect_raises(lambda: dist.all_reduce(torch.ones(8)[::2], group=g))
+        out["destroy"] = expect_raises(lambda: dist.destroy_process_group(g))
+    return out
+
+
+@pytest.mark.ucx_semantics
+def test_a_late_notice_behind_one_for_a_call_running_at_shutdown_is_still_raised():
+    outs, closed = mp.run_once(_late_notice_behind_a_running_call, 3, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    r0, r1, r2 = (o.value for o in outs)
+    assert not r0["broadcast"]["raised"] and not r1["broadcast"]["raised"], (r0, r1)
+    assert r2["broadcast"]["raised"] and r1["all_reduce"]["raised"], (r1, r2)
+    for rank, r in ((0, r0), (1, r1)):  # both returned from the broadcast rank 2 rejected
+        shut = r["destroy"]
+        what = f"rank {rank}: {r}"
+        assert shut["raised"] and shut["type"] == "DistBackendError", what
+        assert "rank 2 stopped call #0 (broadcast #0" in shut["msg"], what
+        assert "which had finished on this rank" in shut["msg"], what
+    assert r0["wait"]["raised"], r0  # the all_reduce rank 1 rejected fails, as it ran or at shutdown
+    assert not r2["destroy"]["raised"], r2  # its own call failed, and said so
+
+
 def _call_after_a_peer_shut_down(ctx):
     """Rank 0 destroys its group after one all_reduce; the other ranks make a second all_reduce
     on it. What that call raised, and how long it took; then what their destroy raised."""

@@ -248,10 +248,27 @@ std::string ProcessGroupUCX::Impl::untold_notices(
         std::chrono::steady_clock::now() +
         std::min<std::chrono::milliseconds>(kShutdownPeerWait, comm_->options().shutdown_timeout);
     int misses = 0;
+    // Senders whose first notice is for a call still running here: that call reads it (or it
+    // ends, and the notice is this look's), and the sender's later notices wait behind it. The
+    // look goes on from the other senders meanwhile, and comes back to these once they have
+    // nothing (it used to stop at such a notice, and so missed the later notices of every
+    // sender, a peer's disagreement in a call that had finished here among them).
+    std::vector<char> behind(static_cast<std::size_t>(size_), 0);
+    bool any_behind = false;
     for (std::size_t n = 0; n < kMaxDead + static_cast<std::size_t>(size_);) {
       std::uint32_t call = 0;
       int sender = -1;
-      if (!coll::find_notice(c, &call, &sender)) {
+      bool hit = false;
+      if (!any_behind) {
+        hit = coll::find_notice(c, &call, &sender);
+      } else {
+        for (int p = 0; p < size_ && !hit; ++p) {
+          if (p != rank_ && behind[p] == 0) hit = coll::find_notice(c, &call, &sender, p);
+        }
+      }
+      if (!hit) {
+        std::fill(behind.begin(), behind.end(), 0);
+        any_behind = false;
         if (left > 0 && std::chrono::steady_clock::now() < until) {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
           continue;
@@ -259,12 +276,17 @@ std::string ProcessGroupUCX::Impl::untold_notices(
         if (++misses < 3) continue;
         break;
       }
-      ++n;
       c.tag = call;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        if (running_locked(call)) break;  // a call in flight reads it (it fails as we shut down)
+        if (running_locked(call)) {
+          if (sender < 0 || sender >= size_) break;
+          behind[sender] = 1;
+          any_behind = true;
+          continue;
+        }
       }
+      ++n;
       std::string what, found;
       const char kind = coll::take_notice(c, sender, &what, &found);
       if (kind == 'S' && sender >= 0 && sender < size_ && said[sender] == 0) {

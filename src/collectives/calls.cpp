@@ -249,10 +249,10 @@ void Exchange::mismatch(int peer) {
 
 }  // namespace detail
 
-bool find_notice(const Context& ctx, std::uint32_t* call, int* sender) {
+bool find_notice(const Context& ctx, std::uint32_t* call, int* sender, int from) {
   if (ctx.comm == nullptr) return false;
   ::commux::detail::Unexpected u{};
-  if (!::commux::detail::channel(*ctx.comm).probe(TagKind::kNotice, kAnySource, 0, 0, &u)) {
+  if (!::commux::detail::channel(*ctx.comm).probe(TagKind::kNotice, from, 0, 0, &u)) {
     return false;
   }
   *call = u.tag;  // a notice's user field is its call's tag
