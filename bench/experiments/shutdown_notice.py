@@ -6,7 +6,11 @@ take (rank 1 fails the call and tells the others; the other ranks get what they 
 return), and destroys the group at once, with no synchronization between the ranks. With
 --case broadcast, a broadcast from rank 0 whose other ranks reject their tensor (a strided view)
 instead: rank 0 returns at once. --late-ms MS: the ranks other than 0 make their call MS later
-(rank 0 returns from a broadcast, and reaches its destroy, before they find anything). Prints,
+(rank 0 returns from a broadcast, and reaches its destroy, before they find anything).
+--case all_to_all_single_async: the ranks other than 0 issue theirs with async_op=True and
+destroy the group 5 ms later without waiting, while rank 0 makes its call --late-ms late: rank 1
+finds the disagreement during its own destroy (a rank whose async call then succeeds counts as
+one that returned). Prints,
 per build, how many of the ranks that returned had destroy_process_group raise the
 disagreement, how long their destroy took (median and largest, ms), and on how many ranks whose
 own call failed destroy raised it once more (it should not): the installed package,
@@ -14,7 +18,8 @@ and each OLD directory given (made with `pip install --no-deps --no-build-isolat
 OLD .` in a worktree), in alternating launches.
 
     .venv/bin/python bench/experiments/shutdown_notice.py [OLD ...] [--ranks 2] [--rounds 10]
-                  [--launches 2] [--case all_to_all_single|broadcast] [--late-ms 0]
+                  [--launches 2] [--case all_to_all_single|broadcast|all_to_all_single_async]
+                  [--late-ms 0]
 
 A destroy that returns quietly here leaves wrong results unreported. UCX_NET_DEVICES=lo unless
 set.
@@ -42,10 +47,13 @@ def run_rank(job):
     me, w = dist.get_rank(), dist.get_world_size()
     out = {"package": str(Path(commux.__file__).parent), "returned": 0, "told": 0, "destroy_ms": [],
            "spurious": 0}
+    asynchronous = job["case"] == "all_to_all_single_async" and me != 0
+    late = me == 0 if job["case"] == "all_to_all_single_async" else me != 0
     for _ in range(job["rounds"]):
         g = dist.new_group(list(range(w)))
-        if me != 0 and job["late_ms"] > 0:
+        if late and job["late_ms"] > 0:
             time.sleep(job["late_ms"] / 1e3)
+        work = None
         try:
             if job["case"] == "broadcast":  # the other ranks' tensor is rejected before posting
                 t = torch.zeros(8)
@@ -56,8 +64,11 @@ def run_rank(job):
                     ins[1] = 3
                 x = torch.arange(sum(ins), dtype=torch.float32)
                 y = torch.zeros(2 * w)
-                dist.all_to_all_single(y, x, output_split_sizes=[2] * w, input_split_sizes=ins,
-                                       group=g)
+                work = dist.all_to_all_single(y, x, output_split_sizes=[2] * w,
+                                              input_split_sizes=ins, group=g,
+                                              async_op=asynchronous)
+                if asynchronous:
+                    time.sleep(0.005)  # a collective thread runs it
             returned = True
         except (RuntimeError, ValueError):
             returned = False
@@ -67,6 +78,11 @@ def run_rank(job):
             told = False
         except RuntimeError as e:
             told = "results are wrong" in str(e)
+        if asynchronous:
+            try:
+                work.wait()
+            except RuntimeError:
+                returned = False
         if returned:
             out["returned"] += 1
             out["told"] += int(told)
@@ -99,7 +115,8 @@ def main():
     p.add_argument("--ranks", type=positive, default=2)
     p.add_argument("--rounds", type=positive, default=10)
     p.add_argument("--launches", type=positive, default=2, help="per build")
-    p.add_argument("--case", choices=("all_to_all_single", "broadcast"), default="all_to_all_single")
+    p.add_argument("--case", choices=("all_to_all_single", "broadcast", "all_to_all_single_async"),
+                   default="all_to_all_single")
     p.add_argument("--late-ms", type=float, default=0.0,
                    help="the ranks other than 0 make their call this much later")
     p.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
@@ -117,7 +134,8 @@ def main():
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
-    print(f"{a.ranks} ranks, {a.case}, others {a.late_ms:g} ms late, {a.launches} launches of "
+    who = "rank 0" if a.case == "all_to_all_single_async" else "others"
+    print(f"{a.ranks} ranks, {a.case}, {who} {a.late_ms:g} ms late, {a.launches} launches of "
           f"{a.rounds} rounds per build")
     print("| build | ranks that returned | told at destroy | destroy median ms | max ms | "
           "told though its call failed |")

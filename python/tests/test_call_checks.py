@@ -505,6 +505,45 @@ def test_a_late_notice_behind_one_for_a_call_running_at_shutdown_is_still_raised
     assert not r2["destroy"]["raised"], r2  # its own call failed, and said so
 
 
+def _finder_running_at_its_shutdown(ctx):
+    """2 ranks. Rank 1 issues an async all_to_all_single (#0 of a new group) and destroys the
+    group at once, its call still waiting for rank 0, which makes its part LATE_S later and sends
+    rank 1 one element more than rank 1's splits take. Rank 1's call finds that as it receives,
+    during its destroy; rank 0 got all it expected and returned. Before, rank 1's destroy sent its
+    last notice first, so rank 0, which takes a peer's last notice as the end of what it will say,
+    destroyed the group quietly. What each rank's call, destroy and wait raised."""
+    me = ctx.rank
+    g = dist.new_group([0, 1])
+    dist.barrier(group=ctx.ref)
+    ins = [2, 3] if me == 0 else [2, 2]
+    x = torch.arange(sum(ins), dtype=torch.float32)
+    y = torch.zeros(4)
+    if me == 0:
+        time.sleep(LATE_S)
+        first = expect_raises(lambda: dist.all_to_all_single(y, x, output_split_sizes=[2, 2],
+                                                             input_split_sizes=ins, group=g))
+        return {"call": first, "destroy": expect_raises(lambda: dist.destroy_process_group(g))}
+    work = dist.all_to_all_single(y, x, output_split_sizes=[2, 2], input_split_sizes=ins,
+                                  group=g, async_op=True)
+    time.sleep(0.005)  # a collective thread runs it, waiting for rank 0
+    return {"destroy": expect_raises(lambda: dist.destroy_process_group(g)),
+            "wait": expect_raises(work.wait)}
+
+
+@pytest.mark.ucx_semantics
+def test_a_disagreement_found_by_a_call_running_at_the_finders_shutdown_is_raised():
+    outs, closed = mp.run_once(_finder_running_at_its_shutdown, 2, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    r0, r1 = (o.value for o in outs)
+    assert not r0["call"]["raised"], r0
+    assert r1["wait"]["raised"] and "alltoall" in r1["wait"]["msg"], r1  # the finder
+    shut = r0["destroy"]
+    assert shut["raised"] and shut["type"] == "DistBackendError", r0
+    assert "rank 1 stopped call #0" in shut["msg"], r0
+    assert "which had finished on this rank" in shut["msg"], r0
+
+
 def _call_after_a_peer_shut_down(ctx):
     """Rank 0 destroys its group after one all_reduce; the other ranks make a second all_reduce
     on it. What that call raised, and how long it took; then what their destroy raised."""

@@ -230,6 +230,20 @@ std::string ProcessGroupUCX::Impl::untold_notices(
     coll::Context c;
     c.comm = comm_.get();
     c.tag = issued;
+    const auto until =
+        std::chrono::steady_clock::now() +
+        std::min<std::chrono::milliseconds>(kShutdownPeerWait, comm_->options().shutdown_timeout);
+    // A call still running here (an async one nobody waited for) may yet find its ranks
+    // disagreeing, and tell them: let it end first (it completes, finds that, or reads a peer's
+    // notice; at most until `until`), so that this rank's last notice follows its notices.
+    // (Sent first, the peers took it as the end of what this rank would say, and missed them.)
+    while (wait_peers && std::chrono::steady_clock::now() < until) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (running_.empty()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
     // After everything this rank sent: a peer that has this has all of this rank's notices.
     coll::say_shutdown(c);
     const auto tell = [&](const std::string& text) {
@@ -244,9 +258,6 @@ std::string ProcessGroupUCX::Impl::untold_notices(
     std::vector<char> said(static_cast<std::size_t>(size_), 0);
     said[rank_] = 1;
     int left = wait_peers && issued != 0 ? size_ - 1 : 0;
-    const auto until =
-        std::chrono::steady_clock::now() +
-        std::min<std::chrono::milliseconds>(kShutdownPeerWait, comm_->options().shutdown_timeout);
     int misses = 0;
     // Senders whose first notice is for a call still running here: that call reads it (or it
     // ends, and the notice is this look's), and the sender's later notices wait behind it. The
