@@ -25,9 +25,10 @@
 //     and fails that collective on every rank, naming the earlier call and what the other rank
 //     found.
 //   * A group that makes no later collective is told at shutdown (untold_notices): each rank
-//     that shuts the group down sends the others a last notice (coll::say_shutdown) and looks
-//     until it has every peer's, for at most kShutdownPeerWait; a peer's notices and stray root
-//     messages arrive before its last one. A call a peer never made fails on that notice.
+//     that shuts the group down lets its calls still running end, sends the others a last notice
+//     (coll::say_shutdown) and looks until it has every peer's, for at most kShutdownPeerWait in
+//     all; a peer's notices and stray root messages arrive before its last one. A call a peer
+//     never made fails on that notice.
 #include <c10/util/Exception.h>
 #include <time.h>
 
