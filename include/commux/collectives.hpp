@@ -169,9 +169,10 @@ std::size_t discard_call(const Context& ctx);
 // or stops it tells every other rank, and one that had finished that call never reads it.
 // find_notice looks for one of any call on ctx.comm (one progress call and one probe of the
 // transport's unexpected messages, which it walks whole), without taking it: its call's tag and
-// sender; from `from` only where it names a rank (a sender's notices arrive in the order sent). take_notice takes the notice of call ctx.tag from `sender`, drops the call's other
-// leftovers (discard_call), and gives the call as the sender described it ("alltoall #0 (...)")
-// and what it found there (empty where unknown).
+// sender; only from `from` where it names a rank (a sender's notices arrive in the order sent).
+// take_notice takes the notice of call ctx.tag from `sender`, drops the call's other leftovers
+// (discard_call), and gives the call as the sender described it ("alltoall #0 (...)") and what
+// it found there (empty where unknown).
 // take_notice returns the notice's kind: 'R' (the sender rejected the call), 'M' (it found the
 // ranks' calls disagreeing, or stopped the call), 'S' (say_shutdown: the sender never made the
 // call; its other leftovers are kept), or '\0' (no notice from `sender`).
