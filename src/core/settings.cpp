@@ -34,7 +34,7 @@ const std::vector<Setting>& settings_table() {
        "default deadline of every wait and of bootstrap lookups"},
       {"COMMUX_SHUTDOWN_TIMEOUT_MS", "int", "3000", kPerComm,
        "bound on closing endpoints at shutdown, and (at most 1 s of it) on a torch group's "
-       "wait at destroy for its peers to destroy it too"},
+       "wait at destroy for its own calls still running and for its peers to destroy it too"},
       {"COMMUX_WAKEUP", "auto/on/off", "auto", kPerComm,
        "on: the progress thread sleeps on the worker's event fd instead of polling; auto: only "
        "when UCX_TLS excludes shared memory; off: never"},
