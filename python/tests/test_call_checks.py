@@ -465,8 +465,9 @@ def _late_notice_behind_a_running_call(ctx):
     #1 at once, so its notice for #1 is the first thing rank 0's destroy finds, and rank 2
     rejects its part of the broadcast LATE_S late, then shuts the group down. Before, rank 0's
     destroy stopped looking at the running call's notice and returned quietly, though rank 2's
-    rejection of the broadcast rank 0 had returned from came soon after. What each rank's calls,
-    destroy and wait raised."""
+    rejection of the broadcast rank 0 had returned from came soon after. (Now its destroy lets #1
+    end first, which reads that notice; abort(), which does not wait, steps past it: the test
+    below.) What each rank's calls, destroy and wait raised."""
     me, w = ctx.rank, ctx.world
     g = dist.new_group(list(range(w)))
     dist.barrier(group=ctx.ref)
@@ -502,6 +503,56 @@ def test_a_late_notice_behind_one_for_a_call_running_at_shutdown_is_still_raised
         assert "rank 2 stopped call #0 (broadcast #0" in shut["msg"], what
         assert "which had finished on this rank" in shut["msg"], what
     assert r0["wait"]["raised"], r0  # the all_reduce rank 1 rejected fails, as it ran or at shutdown
+    assert not r2["destroy"]["raised"], r2  # its own call failed, and said so
+
+
+def _abort_past_a_running_calls_notice(ctx):
+    """3 ranks, and abort() on rank 0, which waits for nothing, so its look meets the notices of
+    calls still running. Rank 0 roots a broadcast (#0), returns, and issues an async all_reduce
+    (#1). Rank 1 rejects its #1 at once and then tells rank 2 (through the reference group),
+    which rejects its part of the broadcast and tells rank 0, which aborts while its #1 still
+    runs (that call reads rank 1's notice itself within 25 ms; on a machine slower than that the
+    look has nothing to step past). Before, the look stopped at rank 1's notice for #1 and never
+    read rank 2's, behind it. What each rank's calls, abort (with its stderr) and destroy raised."""
+    me, w = ctx.rank, ctx.world
+    g = dist.new_group(list(range(w)))
+    dist.barrier(group=ctx.ref)
+    t = torch.zeros(8)
+    flag = torch.zeros(1)
+    out = {}
+    if me == 0:
+        out["broadcast"] = expect_raises(lambda: dist.broadcast(t, src=0, group=g))
+        work = dist.all_reduce(torch.ones(4), group=g, async_op=True)
+        dist.recv(flag, src=2, group=ctx.ref)
+        time.sleep(0.002)  # rank 2's notice has arrived
+        out["abort"] = _stderr_of(g.abort)
+        out["wait"] = expect_raises(work.wait)
+    elif me == 1:
+        out["broadcast"] = expect_raises(lambda: dist.broadcast(t, src=0, group=g))
+        out["all_reduce"] = expect_raises(lambda: dist.all_reduce(torch.ones(8)[::2], group=g))
+        dist.send(flag, dst=2, group=ctx.ref)
+    else:
+        dist.recv(flag, src=1, group=ctx.ref)
+        out["broadcast"] = expect_raises(lambda: dist.broadcast(t[::2], src=0, group=g))
+        dist.send(flag, dst=0, group=ctx.ref)
+    out["destroy"] = expect_raises(lambda: dist.destroy_process_group(g))
+    return out
+
+
+@pytest.mark.ucx_semantics
+def test_abort_reads_a_notice_behind_one_for_a_call_still_running():
+    outs, closed = mp.run_once(_abort_past_a_running_calls_notice, 3, backend=BACKEND,
+                               pg_timeout_s=60, timeout=120)
+    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
+    r0, r1, r2 = (o.value for o in outs)
+    assert not r0["broadcast"]["raised"] and not r1["broadcast"]["raised"], (r0, r1)
+    assert r2["broadcast"]["raised"] and r1["all_reduce"]["raised"], (r1, r2)
+    aborted = r0["abort"]
+    assert not aborted["raised"], r0
+    assert "commux shutdown: rank 2 stopped call #0 (broadcast #0" in aborted["stderr"], r0
+    assert "which had finished on this rank" in aborted["stderr"], r0
+    assert r0["wait"]["raised"] and not r0["destroy"]["raised"], r0  # said once, by abort()
+    assert r1["destroy"]["raised"] and "rank 2 stopped call #0" in r1["destroy"]["msg"], r1
     assert not r2["destroy"]["raised"], r2  # its own call failed, and said so
 
 
