@@ -488,14 +488,21 @@ def _late_notice_behind_a_running_call(ctx):
     return out
 
 
-@pytest.mark.ucx_semantics
-def test_a_late_notice_behind_one_for_a_call_running_at_shutdown_is_still_raised():
-    outs, closed = mp.run_once(_late_notice_behind_a_running_call, 3, backend=BACKEND,
-                               pg_timeout_s=60, timeout=120)
+def _behind_case(fn):
+    """Runs ``fn`` (the case above or below) on 3 ranks: each rank's results, after the checks
+    the cases share (ranks 0 and 1 returned from the broadcast, rank 2 rejected its part of it,
+    and rank 1 its all_reduce)."""
+    outs, closed = mp.run_once(fn, 3, backend=BACKEND, pg_timeout_s=60, timeout=120)
     assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
     r0, r1, r2 = (o.value for o in outs)
     assert not r0["broadcast"]["raised"] and not r1["broadcast"]["raised"], (r0, r1)
     assert r2["broadcast"]["raised"] and r1["all_reduce"]["raised"], (r1, r2)
+    return r0, r1, r2
+
+
+@pytest.mark.ucx_semantics
+def test_a_late_notice_behind_one_for_a_call_running_at_shutdown_is_still_raised():
+    r0, r1, r2 = _behind_case(_late_notice_behind_a_running_call)
     for rank, r in ((0, r0), (1, r1)):  # both returned from the broadcast rank 2 rejected
         shut = r["destroy"]
         what = f"rank {rank}: {r}"
@@ -541,12 +548,7 @@ def _abort_past_a_running_calls_notice(ctx):
 
 @pytest.mark.ucx_semantics
 def test_abort_reads_a_notice_behind_one_for_a_call_still_running():
-    outs, closed = mp.run_once(_abort_past_a_running_calls_notice, 3, backend=BACKEND,
-                               pg_timeout_s=60, timeout=120)
-    assert all(o.ok for o in outs), "\n".join(o.describe() for o in outs)
-    r0, r1, r2 = (o.value for o in outs)
-    assert not r0["broadcast"]["raised"] and not r1["broadcast"]["raised"], (r0, r1)
-    assert r2["broadcast"]["raised"] and r1["all_reduce"]["raised"], (r1, r2)
+    r0, r1, r2 = _behind_case(_abort_past_a_running_calls_notice)
     aborted = r0["abort"]
     assert not aborted["raised"], r0
     assert "commux shutdown: rank 2 stopped call #0 (broadcast #0" in aborted["stderr"], r0
