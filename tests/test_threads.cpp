@@ -466,13 +466,13 @@ void blocked_for_a_late_rank(bool scheduled) {
   EXPECT_GE(wall, std::chrono::milliseconds(1300));
   EXPECT_EQ(x0, std::vector<float>(1000, 3.0f));
   EXPECT_EQ(x1, std::vector<float>(1000, 3.0f));
-  // (Not judged under a sanitizer: ThreadSanitizer's instrumentation and its own thread made
-  // the process use 7% of a core in a CI run on a slow machine; the plain build 2.4% here.)
-  if (!kSanitized) {
-    EXPECT_LT(cpu * 20, wall) << "the process used " << cpu.count() / 1000 << " us of CPU in "
-                              << std::chrono::duration_cast<std::chrono::microseconds>(wall).count()
-                              << " us of waiting";
-  }
+  // Under 5% of a core; under a sanitizer 20%: ThreadSanitizer's instrumentation and its own
+  // thread made the process use 7% in a CI run on a slow machine (the plain build 2.4% here). A
+  // waiter that spun would still use most of a core either way.
+  const int share = kSanitized ? 5 : 20;
+  EXPECT_LT(cpu * share, wall)
+      << "the process used " << cpu.count() / 1000 << " us of CPU in "
+      << std::chrono::duration_cast<std::chrono::microseconds>(wall).count() << " us of waiting";
 }
 
 // Two ranks of one group in this process, each with its own worker and progress thread (as two
